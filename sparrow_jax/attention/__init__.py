@@ -1,0 +1,1 @@
+"""Attention: dense causal, paged KV cache, page selection and sparse decode."""

@@ -1,0 +1,170 @@
+"""Qwen3 decoder in Flax NNX.
+
+One forward serves every use: the attention itself is a function handed in by the caller
+(:data:`AttendFn`), so the dense training forward, prefill into a paged cache, the sparse decode
+step and teacher-forced sparse attention all run the same projections, norms and RoPE.
+
+Precision (DESIGN 3.0): parameters live in ``param_dtype`` (float32 masters), matmuls run in
+the compute ``dtype`` (bfloat16 on accelerators), norms, softmax and log-softmax in float32.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparrow_jax.attention.dense import causal_attend
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.lora import Linear
+from sparrow_jax.models.rope import apply_rope, rope_angles
+
+# attend(layer, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state).
+# q and k arrive after q/k-norm and RoPE; ``state`` is whatever the caller threads through the
+# layers (a paged cache, selection statistics), or None.
+AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
+
+
+class RMSNorm(nnx.Module):
+    def __init__(self, dim: int, eps: float, *, param_dtype=jnp.float32):
+        self.weight = nnx.Param(jnp.ones((dim,), param_dtype))
+        self.eps = eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        # As HF: normalise in float32, cast back to the input dtype, then scale.
+        dtype = x.dtype
+        x32 = x.astype(jnp.float32)
+        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
+        return self.weight.value.astype(dtype) * x32.astype(dtype)
+
+
+class Attention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        d, hd = cfg.hidden_size, cfg.head_dim
+        lin = dict(use_bias=cfg.attention_bias, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.q_proj = Linear(d, cfg.num_attention_heads * hd, **lin)
+        self.k_proj = Linear(d, cfg.num_key_value_heads * hd, **lin)
+        self.v_proj = Linear(d, cfg.num_key_value_heads * hd, **lin)
+        self.o_proj = Linear(cfg.num_attention_heads * hd, d, **lin)
+        self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.num_heads, self.num_kv_heads, self.head_dim = (
+            cfg.num_attention_heads, cfg.num_key_value_heads, hd)
+
+    def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool):
+        b, t, _ = x.shape
+        q = self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim)
+        k = self.k_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        v = self.v_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = apply_rope(self.q_norm(q), cos, sin)
+        k = apply_rope(self.k_norm(k), cos, sin)
+        out, state = attend(layer, q, k, v, state)
+        out = out.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim)
+        return self.o_proj(out, lora=lora), state
+
+
+class MLP(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        lin = dict(dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.gate_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
+        self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
+
+    def __call__(self, x, lora: bool):
+        gate = jax.nn.silu(self.gate_proj(x, lora=lora))
+        return self.down_proj(gate * self.up_proj(x, lora=lora), lora=lora)
+
+
+class Block(nnx.Module):
+    def __init__(self, cfg: ModelConfig, *, dtype, param_dtype, rngs: nnx.Rngs):
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, param_dtype=param_dtype)
+        self.self_attn = Attention(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps,
+                                                param_dtype=param_dtype)
+        self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+
+    def __call__(self, x, cos, sin, layer, attend, state, lora):
+        h, state = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, state, lora)
+        x = x + h
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
+        return x, state
+
+
+class Qwen3(nnx.Module):
+    """Qwen3ForCausalLM. ``model(tokens) -> logits [B, T, V]`` (dense, causal, float32).
+
+    For long sequences use :meth:`forward` for hidden states and :mod:`sparrow_jax.models.lm_head`
+    for chunked log-probs / top-k: full logits cost ``B*T*V*4`` bytes.
+    """
+
+    def __init__(self, config: ModelConfig, *, dtype=jnp.float32, param_dtype=jnp.float32,
+                 rngs: nnx.Rngs, remat: bool = False):
+        self.config = config
+        self.dtype = dtype
+        self.remat = remat
+        init = jax.nn.initializers.normal(stddev=0.02)
+        self.embed_tokens = nnx.Param(
+            init(rngs.params(), (config.vocab_size, config.hidden_size), param_dtype))
+        self.layers = nnx.List([Block(config, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
+                                for _ in range(config.num_hidden_layers)])
+        self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps, param_dtype=param_dtype)
+        self.lm_head = None if config.tie_word_embeddings else nnx.Param(
+            init(rngs.params(), (config.vocab_size, config.hidden_size), param_dtype))
+
+    def head_weight(self) -> jax.Array:
+        """The LM head as ``[vocab, hidden]`` (the embedding when tied), in the compute dtype."""
+        w = self.embed_tokens if self.lm_head is None else self.lm_head
+        return w.value.astype(self.dtype)
+
+    def embed(self, tokens: jax.Array) -> jax.Array:
+        return jnp.take(self.embed_tokens.value, tokens, axis=0).astype(self.dtype)
+
+    def forward(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                attend: AttendFn = causal_attend, state: Any = None, lora: bool = False,
+                embeddings: jax.Array | None = None) -> tuple[jax.Array, Any]:
+        """tokens ``[B, T]`` int, positions ``[B, T]`` (default ``arange(T)``) ->
+        (final-normed hidden ``[B, T, hidden]`` in the compute dtype, attention state)."""
+        if tokens.ndim != 2:
+            raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
+        if positions is None:
+            positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
+                                         tokens.shape)
+        x = self.embed(tokens) if embeddings is None else embeddings
+        cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+        for i, block in enumerate(self.layers):
+            if self.remat:
+                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7))(
+                    block, x, cos, sin, i, attend, state, lora)
+            else:
+                x, state = block(x, cos, sin, i, attend, state, lora)
+        return self.norm(x), state
+
+    def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
+                 lora: bool = False) -> jax.Array:
+        hidden, _ = self.forward(tokens, positions, lora=lora)
+        return logits_from_hidden(hidden, self.head_weight())
+
+
+def logits_from_hidden(hidden: jax.Array, head_weight: jax.Array) -> jax.Array:
+    """``[..., hidden] x [vocab, hidden] -> [..., vocab]`` in float32."""
+    return jnp.einsum("...d,vd->...v", hidden.astype(head_weight.dtype), head_weight,
+                      preferred_element_type=jnp.float32)
+
+
+def check_tokens(tokens, vocab_size: int) -> None:
+    """Host-side check, for inputs that come from users: out-of-range ids would be silently
+    clamped by the embedding gather."""
+    import numpy as np
+
+    arr = np.asarray(tokens)
+    if arr.size and (arr.min() < 0 or arr.max() >= vocab_size):
+        bad = arr[(arr < 0) | (arr >= vocab_size)]
+        raise ValueError(f"token ids out of range [0, {vocab_size}): e.g. {bad[:5].tolist()}")
+
+
+def init_model(config: ModelConfig, *, seed: int = 0, dtype=jnp.float32,
+               param_dtype=jnp.float32, remat: bool = False) -> Qwen3:
+    """A randomly initialised model (tests, benchmarks, the tiny demo preset)."""
+    return Qwen3(config, dtype=dtype, param_dtype=param_dtype, rngs=nnx.Rngs(seed), remat=remat)
