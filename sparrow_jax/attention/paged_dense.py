@@ -1,0 +1,113 @@
+"""Dense decode attention over the paged KV cache (one query token per sequence, one layer).
+
+Two implementations with one contract (float32 softmax, scale ``head_dim**-0.5``, keys masked by
+``lengths``, GQA: query heads ``h*r .. h*r+r-1`` read KV head h):
+
+* ``"xla"``: gathers the rows' pages through the page table and runs two einsums. The CPU
+  default and the reference.
+* ``"pallas"``: JAX's Pallas GPU paged attention (``jax.experimental.pallas.ops.gpu``), which
+  reads only the pages below each row's length.
+
+``"auto"`` picks :data:`GPU_DEFAULT` on GPU (the faster in scripts/bench_paged_dense.py, see
+BENCHMARKS.md) and ``"xla"`` elsewhere. This module needs only jax (the benchmark runs it on a
+machine without flax).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+IMPLS = ("auto", "xla", "pallas")
+# Measured on the H100 (BENCHMARKS.md, "Dense paged decode").
+GPU_DEFAULT = "xla"
+# Finite, so a row with no valid key (length 0, a padding row) averages instead of giving NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def gather_pages(pages: jax.Array, page_table: jax.Array) -> jax.Array:
+    """One layer's pages ``[H, N, P, D]`` read through ``page_table [B, n]`` ->
+    ``[B, H, n * P, D]``: each row's keys (or values) in position order."""
+    h, _, p, d = pages.shape
+    b, n = page_table.shape
+    g = jnp.take(pages, page_table, axis=1, mode="clip")   # [H, B, n, P, D]
+    return jnp.swapaxes(g, 0, 1).reshape(b, h, n * p, d)
+
+
+def _check(q, k_pages, v_pages, page_table, lengths):
+    if q.ndim != 3 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [batch, q_heads, head_dim] and k_pages [kv_heads, pages, "
+                         f"page_size, head_dim], got {q.shape} and {k_pages.shape}")
+    if k_pages.shape != v_pages.shape:
+        raise ValueError(f"k_pages {k_pages.shape} and v_pages {v_pages.shape} differ")
+    b, hq, d = q.shape
+    h = k_pages.shape[0]
+    if hq % h or k_pages.shape[-1] != d:
+        raise ValueError(f"q {q.shape} does not fit k_pages {k_pages.shape}: q heads must be a "
+                         f"multiple of kv heads and head_dim equal")
+    if page_table.ndim != 2 or page_table.shape[0] != b or lengths.shape != (b,):
+        raise ValueError(f"page_table must be [{b}, pages] and lengths [{b}], got "
+                         f"{page_table.shape} and {lengths.shape}")
+
+
+def paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                        page_table: jax.Array, lengths: jax.Array) -> jax.Array:
+    """q ``[B, Hq, D]``, k/v_pages ``[H, N, P, D]``, page_table ``[B, M]``, lengths ``[B]`` ->
+    ``[B, Hq, D]`` in q's dtype. Reads all M pages of each row (masked past its length)."""
+    b, hq, d = q.shape
+    h = k_pages.shape[0]
+    k = gather_pages(k_pages, page_table)
+    v = gather_pages(v_pages, page_table)
+    qg = q.reshape(b, h, hq // h, d).astype(k.dtype)
+    s = jnp.einsum("bhrd,bhsd->bhrs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+    s = jnp.where(valid[:, None, None, :], s, _MASK_VALUE)
+    w = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bhrs,bhsd->bhrd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, lengths: jax.Array, *,
+                           pages_per_compute_block: int = 8, k_splits: int = 16,
+                           interpret: bool = False) -> jax.Array:
+    """JAX's Pallas GPU paged attention behind the same contract as :func:`paged_attention_xla`.
+
+    Its kernel needs the table width to be a multiple of ``k_splits * pages_per_compute_block``
+    (both shrunk to fit short tables); the table is padded with page 0, which it never reads
+    past a row's length.
+    """
+    import warnings
+
+    with warnings.catch_warnings():  # the module warns that it is deprecated on import
+        warnings.simplefilter("ignore", DeprecationWarning)
+        from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
+
+    m = page_table.shape[1]
+    k_splits = max(1, min(k_splits, m // pages_per_compute_block))
+    block = min(pages_per_compute_block, m)
+    width = -(-m // (k_splits * block)) * k_splits * block
+    table = jnp.pad(page_table, ((0, 0), (0, width - m)))
+    # Its kernel applies no softmax scale: fold it into q (one more rounding of q in the cache
+    # dtype unless sqrt(head_dim) is a power of two).
+    scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k_pages.dtype)
+    out = paged_attention(scaled, k_pages, v_pages, table, lengths.astype(jnp.int32),
+                          pages_per_compute_block=block, k_splits=k_splits,
+                          interpret=interpret)
+    return out.astype(q.dtype)
+
+
+def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                    page_table: jax.Array, lengths: jax.Array, *, impl: str = "auto"
+                    ) -> jax.Array:
+    """Dense decode attention over the paged cache: q ``[B, Hq, D]``, k/v_pages ``[H, N, P,
+    D]``, page_table ``[B, M]`` int32, lengths ``[B]`` int32 (current token included) ->
+    ``[B, Hq, D]``."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown dense paged attention impl {impl!r}; known: {IMPLS}")
+    _check(q, k_pages, v_pages, page_table, lengths)
+    if impl == "auto":
+        impl = GPU_DEFAULT if jax.default_backend() == "gpu" else "xla"
+    if impl == "pallas":
+        return paged_attention_pallas(q, k_pages, v_pages, page_table, lengths)
+    return paged_attention_xla(q, k_pages, v_pages, page_table, lengths)
