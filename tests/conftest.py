@@ -1,0 +1,39 @@
+"""Shared test helpers: the committed HF fixtures and the optional transformers reference venv."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HF_FIXTURES = REPO / "tests" / "fixtures" / "hf"
+HF_PYTHON = REPO / ".venv-hf" / "bin" / "python"
+
+
+def max_rel_err(actual, reference) -> float:
+    """max |actual - reference| / max |reference| (float64): relative to the largest reference
+    entry, so near-zero logits do not blow up the ratio."""
+    a = np.asarray(actual, np.float64)
+    b = np.asarray(reference, np.float64)
+    assert a.shape == b.shape, (a.shape, b.shape)
+    return float(np.abs(a - b).max() / np.abs(b).max())
+
+
+def hf_case(name: str) -> dict:
+    """A fixture folder made by scripts/make_hf_fixtures.py and its reference arrays."""
+    folder = HF_FIXTURES / name
+    out = {"path": folder, "hf_config": json.loads((folder / "config.json").read_text())}
+    for f in folder.glob("*.npy"):
+        out[f.stem] = np.load(f)
+    return out
+
+
+def hf_case_names() -> list[str]:
+    return json.loads((HF_FIXTURES / "manifest.json").read_text())["cases"]
+
+
+requires_hf = pytest.mark.skipif(not HF_PYTHON.exists(),
+                                 reason="needs .venv-hf (bash scripts/make_hf_venv.sh)")
