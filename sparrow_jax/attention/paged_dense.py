@@ -8,8 +8,10 @@ Two implementations with one contract (float32 softmax, scale ``head_dim**-0.5``
 * ``"pallas"``: JAX's Pallas GPU paged attention (``jax.experimental.pallas.ops.gpu``), which
   reads only the pages below each row's length.
 
-``"auto"`` picks :data:`GPU_DEFAULT` on GPU (the faster in scripts/bench_paged_dense.py, see
-BENCHMARKS.md) and ``"xla"`` elsewhere. This module needs only jax (the benchmark runs it on a
+``"auto"`` picks :data:`GPU_DEFAULT` on GPU for half-precision caches (the faster in
+scripts/bench_paged_dense.py: 1.3-2.5x faster than the XLA gather on the H100, see
+BENCHMARKS.md) and ``"xla"`` elsewhere: float32 stays on XLA, since Triton's dots may round
+float32 inputs to TF32. This module needs only jax (the benchmark runs it on a
 machine without flax).
 """
 
@@ -20,7 +22,7 @@ import jax.numpy as jnp
 
 IMPLS = ("auto", "xla", "pallas")
 # Measured on the H100 (BENCHMARKS.md, "Dense paged decode").
-GPU_DEFAULT = "xla"
+GPU_DEFAULT = "pallas"
 # Finite, so a row with no valid key (length 0, a padding row) averages instead of giving NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -107,7 +109,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         raise ValueError(f"unknown dense paged attention impl {impl!r}; known: {IMPLS}")
     _check(q, k_pages, v_pages, page_table, lengths)
     if impl == "auto":
-        impl = GPU_DEFAULT if jax.default_backend() == "gpu" else "xla"
+        half = k_pages.dtype in (jnp.bfloat16, jnp.float16)
+        impl = GPU_DEFAULT if jax.default_backend() == "gpu" and half else "xla"
     if impl == "pallas":
         return paged_attention_pallas(q, k_pages, v_pages, page_table, lengths)
     return paged_attention_xla(q, k_pages, v_pages, page_table, lengths)
