@@ -24,8 +24,9 @@ from sparrow_jax.models.qwen3 import Qwen3
 
 WEIGHTS_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+# generation_config.json is not among them: save_qwen3 writes it from the config's EOS ids.
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja",
-                   "special_tokens_map.json", "generation_config.json")
+                   "special_tokens_map.json")
 # Buffers some exporters write that carry no learned state (recomputed from the config).
 _IGNORABLE = re.compile(r"(^|\.)rotary_emb\.inv_freq$")
 
@@ -221,7 +222,7 @@ def save_qwen3(model: Qwen3, path: str | Path, config: ModelConfig | None = None
         for name in TOKENIZER_FILES:
             if (src / name).is_file() and src.resolve() != path.resolve():
                 shutil.copyfile(src / name, path / name)
-    if config.eos_token_ids and not (path / "generation_config.json").is_file():
+    if config.eos_token_ids:
         gen = {"eos_token_id": list(config.eos_token_ids)}
         if config.bos_token_id is not None:
             gen["bos_token_id"] = config.bos_token_id
