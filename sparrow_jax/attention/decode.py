@@ -100,7 +100,7 @@ def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.A
 
 
 def _decode_attend(layer, q, k, v, cache: PagedKVCache, *, pos, active, budget_pages,
-                   dense_layers, scorer, impl):
+                   dense_layers, scorer, impl, max_budget_pages):
     cache = append_token(cache, layer, k[:, 0], v[:, 0], pos, active)
     k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
     if budget_pages is None or layer in dense_layers:
@@ -108,24 +108,28 @@ def _decode_attend(layer, q, k, v, cache: PagedKVCache, *, pos, active, budget_p
     else:
         from sparrow_jax.attention.sparse import sparse_decode
 
+        quest = scorer == "quest"
         out = sparse_decode(
             q[:, 0], k_pages, v_pages, cache.page_table, cache.lengths, budget_pages,
             page_size=cache.page_size, scorer=scorer, impl=impl,
-            centroids=cache.centroids[layer] if scorer == "centroid" else None)
+            centroids=None if quest else cache.centroids[layer],
+            summaries=(cache.kmin[layer], cache.kmax[layer]) if quest else None,
+            max_budget_pages=max_budget_pages)
     return out[:, None], cache
 
 
 def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
                 budget_pages: jax.Array | None = None, dense_layers: tuple[int, ...] = (0, 1),
                 scorer: str = "centroid", impl: str = "reference",
-                active: jax.Array | None = None, lora: bool = False
-                ) -> tuple[jax.Array, PagedKVCache]:
+                active: jax.Array | None = None, lora: bool = False,
+                max_budget_pages: int | None = None) -> tuple[jax.Array, PagedKVCache]:
     """One token per row: ``tokens [B]`` sit at position ``cache.lengths`` -> (final-normed
     hidden ``[B, hidden]``, cache with the token's K/V appended and ``lengths + 1``).
 
     Layers attend densely when ``budget_pages`` is None or the layer is in ``dense_layers``;
     otherwise through :func:`sparrow_jax.attention.sparse.sparse_decode` with ``budget_pages
-    [B]`` (DESIGN 3.2). Rows where ``active [B]`` is False (finished) neither write the cache
+    [B]`` (DESIGN 3.2; ``max_budget_pages``: its static gather width, default the table's).
+    Rows where ``active [B]`` is False (finished) neither write the cache
     nor grow; their outputs are meaningless. Jit with :data:`decode_step_jit` (cache donated).
     """
     if scorer not in SCORERS:
@@ -143,7 +147,8 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
     pos = cache.lengths
     cache = cache.replace(lengths=pos + active.astype(jnp.int32))
     attend = functools.partial(_decode_attend, pos=pos, active=active, budget_pages=budget_pages,
-                               dense_layers=tuple(dense_layers), scorer=scorer, impl=impl)
+                               dense_layers=tuple(dense_layers), scorer=scorer, impl=impl,
+                               max_budget_pages=max_budget_pages)
     hidden, cache = model.forward(tokens[:, None], pos[:, None], attend=attend, state=cache,
                                   lora=lora)
     return hidden[:, 0], cache
@@ -164,5 +169,6 @@ def next_token_logprobs(model, hidden: jax.Array, temperature: float = 1.0) -> j
 prefill_jit = nnx.jit(prefill, static_argnames=("chunk_size", "lora"),
                       donate_argnames=("cache",))
 decode_step_jit = nnx.jit(decode_step,
-                          static_argnames=("dense_layers", "scorer", "impl", "lora"),
+                          static_argnames=("dense_layers", "scorer", "impl", "lora",
+                                           "max_budget_pages"),
                           donate_argnames=("cache",))
