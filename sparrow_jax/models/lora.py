@@ -51,8 +51,10 @@ class Linear(nnx.Module):
         init = jax.nn.initializers.normal(stddev=in_features ** -0.5)
         self.kernel = nnx.Param(init(rngs.params(), (in_features, out_features), param_dtype))
         self.bias = nnx.Param(jnp.zeros((out_features,), param_dtype)) if use_bias else None
-        self.lora_a: LoRAParam | None = None
-        self.lora_b: LoRAParam | None = None
+        # nnx.data: an attribute first set to None is otherwise static, and add_lora could not
+        # put a parameter there later.
+        self.lora_a: LoRAParam | None = nnx.data(None)
+        self.lora_b: LoRAParam | None = nnx.data(None)
         self.lora_scale = 0.0
         self.dtype = dtype
 
