@@ -43,10 +43,14 @@ def quest_scores(q_group: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Ar
     """q_group ``[..., r, D]``, kmin/kmax ``[..., M, D]`` -> float32 scores ``[..., M]``:
     ``sum_d max(q_d kmax_d, q_d kmin_d)`` per query head (an upper bound of q . k over the page),
     then the max over the group's heads."""
-    q = q_group.astype(jnp.float32)[..., :, None, :]           # [..., r, 1, D]
-    lo = kmin.astype(jnp.float32)[..., None, :, :]             # [..., 1, M, D]
-    hi = kmax.astype(jnp.float32)[..., None, :, :]
-    per_head = jnp.sum(jnp.maximum(q * hi, q * lo), axis=-1)  # [..., r, M]
+    # Since kmax >= kmin, max(q kmax, q kmin) is q kmax where q > 0 and q kmin where q < 0: two
+    # matmuls instead of an [r, M, D] intermediate.
+    q = q_group.astype(jnp.float32)
+    hi = lax.Precision.HIGHEST
+    per_head = (jnp.einsum("...rd,...md->...rm", jnp.maximum(q, 0.0), kmax.astype(jnp.float32),
+                           precision=hi)
+                + jnp.einsum("...rd,...md->...rm", jnp.minimum(q, 0.0),
+                             kmin.astype(jnp.float32), precision=hi))
     return jnp.max(per_head, axis=-2)
 
 

@@ -7,6 +7,8 @@ gathers per sequence and KV head is static (``max_budget_pages``, by default the
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -142,6 +144,7 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
                       max_pages=max_budget_pages or page_table.shape[1])
 
 
+@functools.partial(jax.jit, static_argnames=("page_size", "scorer", "max_pages"))
 def _reference(q, k_pages, v_pages, page_table, lengths, budget_pages, summ, *, page_size,
                scorer, max_pages):
     b, hq, d = q.shape
@@ -174,10 +177,11 @@ def _reference(q, k_pages, v_pages, page_table, lengths, budget_pages, summ, *, 
     k_sel = k_sel.reshape(b, hkv, max_pages * page_size, d)
     v_sel = v_sel.reshape(b, hkv, max_pages * page_size, d)
     tok_ok = tok_ok.reshape(b, hkv, 1, max_pages * page_size)
+    acc = jnp.promote_types(q.dtype, jnp.float32)
     hi = lax.Precision.HIGHEST  # the reference: no TF32 for float32 inputs on GPU
     logits = jnp.einsum("bhrd,bhtd->bhrt", q_group, k_sel, precision=hi,
-                        preferred_element_type=jnp.float32) * (d ** -0.5)
+                        preferred_element_type=acc) * (d ** -0.5)
     logits = jnp.where(tok_ok, logits, -jnp.inf)
     probs = jax.nn.softmax(logits, axis=-1)
-    out = jnp.einsum("bhrt,bhtd->bhrd", probs, v_sel.astype(jnp.float32), precision=hi)
+    out = jnp.einsum("bhrt,bhtd->bhrd", probs, v_sel.astype(acc), precision=hi)
     return out.reshape(b, hq, d).astype(q.dtype)
