@@ -32,8 +32,9 @@ def _np_reference(h, w, ids, temperature):
     return dict(logp=logp, p=p, lp=lp, order=order, entropy=entropy)
 
 
-@pytest.mark.parametrize("chunk", [1, 3, 5, 14, 100])
-@pytest.mark.parametrize("temperature", [1.0, 0.7])
+# chunk 3 and 5 do not divide B*T = 14; 100 exceeds it.
+@pytest.mark.parametrize("chunk, temperature", [(1, 1.0), (3, 0.7), (5, 1.0), (14, 0.7),
+                                                (100, 1.3)])
 def test_matches_full_logits(chunk, temperature):
     h, w, ids = _data()
     k = 6

@@ -1,0 +1,1 @@
+"""Implementations of the ``sparrow`` subcommands, one module each (see sparrow_jax.cli)."""

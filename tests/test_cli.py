@@ -1,0 +1,131 @@
+"""The ``sparrow`` CLI, in process: generate against a teacher-forced reference, config files,
+dispatch of the not-yet-implemented subcommands, and clear errors."""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from conftest import hf_case
+
+from sparrow_jax.cli import SUBCOMMANDS, main
+from sparrow_jax.commands.generate import generate_ids
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.hf_io import load_qwen3
+from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.models.tokenizer import load_tokenizer
+from sparrow_jax.rollout.sampling import SamplingParams
+
+CHAT = str(hf_case("chat")["path"])
+
+
+def _run(capsys, *argv):
+    rc = main([*argv, "--no-progress"] if argv[0] == "generate" else list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _ids(out: str) -> list[int]:
+    return [int(t) for t in out.strip().split(",")]
+
+
+_forward = nnx.jit(lambda model, tokens: model(tokens))
+
+
+def _assert_greedy(model, prompt, generated, eos=()):
+    """Teacher-forced check with one unpadded forward of the whole sequence: each generated id
+    is the argmax of the logits at the position before it, and only the last may be an EOS."""
+    seq = jnp.asarray([list(prompt) + list(generated)], jnp.int32)
+    logits = np.asarray(_forward(model, seq))[0]
+    n = len(prompt)
+    assert [int(np.argmax(logits[n - 1 + i])) for i in range(len(generated))] == list(generated)
+    assert not set(generated[:-1]) & set(eos)
+
+
+def test_generate_preset_greedy(capsys):
+    rc, out, err = _run(capsys, "generate", "--preset", "tiny", "--prompt-ids", "5,17,3",
+                        "--max-new-tokens", "6", "--ids")
+    assert rc == 0 and "tokens/s" in err
+    config = ModelConfig.preset("tiny")
+    gen = _ids(out)
+    assert 1 <= len(gen) <= 6
+    _assert_greedy(init_model(config, seed=0), [5, 17, 3], gen, config.eos_token_ids)
+
+
+def test_generate_chat_prompt_from_model_folder(capsys):
+    model, _ = load_qwen3(CHAT)
+    tok = load_tokenizer(CHAT)
+    rc, out, _ = _run(capsys, "generate", "--model", CHAT, "--prompt", "What is 2+2?", "--chat",
+                      "--no-thinking", "--max-new-tokens", "5", "--ids")
+    assert rc == 0
+    gen = _ids(out)
+    prompt = tok.apply_chat_template([{"role": "user", "content": "What is 2+2?"}],
+                                     enable_thinking=False, tokenize=True)
+    _assert_greedy(model, prompt, gen, tok.eos_token_ids)
+    rc, text, _ = _run(capsys, "generate", "--model", CHAT, "--prompt", "What is 2+2?", "--chat",
+                       "--no-thinking", "--max-new-tokens", "5")
+    assert text == tok.decode(gen, skip_special_tokens=True) + "\n"
+
+
+def test_top_k_one_sampling_equals_greedy_and_seed_reproducible(capsys):
+    base = ("generate", "--model", CHAT, "--prompt", "Hello world", "--max-new-tokens", "4", "--ids")
+    greedy = _run(capsys, *base)[1]
+    assert _run(capsys, *base, "--temperature", "1.0", "--top-k", "1", "--seed", "9")[1] == greedy
+    sampled = [_run(capsys, *base, "--temperature", "1.5", "--seed", "3")[1] for _ in range(2)]
+    assert sampled[0] == sampled[1]
+
+
+def test_generation_stops_at_eos():
+    model, _ = load_qwen3(CHAT)
+    greedy = SamplingParams(temperature=0.0)
+    free = generate_ids(model, [1, 2, 3], max_new_tokens=4, sampling=greedy).ids
+    assert len(free) == 4
+    stopped = generate_ids(model, [1, 2, 3], max_new_tokens=4, sampling=greedy,
+                           eos_ids=[free[1]]).ids
+    assert stopped == free[:free.index(free[1]) + 1]
+
+
+def test_config_file_and_command_line_override(capsys, tmp_path):
+    cfg = tmp_path / "gen.yaml"
+    cfg.write_text(f"model: {CHAT}\nprompt_ids: '4,5,6'\nmax_new_tokens: 3\nids: true\n")
+    rc, out, _ = _run(capsys, "generate", "--config", str(cfg))
+    model, config = load_qwen3(CHAT)
+    assert rc == 0 and len(_ids(out)) == 3  # this prompt's greedy continuation has no EOS
+    _assert_greedy(model, [4, 5, 6], _ids(out))
+    rc, out2, _ = _run(capsys, "generate", "--config", str(cfg), "--max-new-tokens", "1")
+    assert rc == 0 and _ids(out2) == _ids(out)[:1]
+    cfg.write_text("max_new_tokenz: 3\n")
+    rc, _, err = _run(capsys, "generate", "--config", str(cfg))
+    assert rc == 2 and "unknown keys ['max_new_tokenz']" in err
+    rc, _, err = _run(capsys, "generate", "--config", str(tmp_path / "nope.yaml"))
+    assert rc == 2 and "does not exist" in err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--preset", "tiny", "--model", CHAT, "--prompt-ids", "1"], "exactly one of --model"),
+    (["--preset", "tiny"], "exactly one of --prompt"),
+    (["--preset", "tiny", "--prompt", "hi"], "needs a tokenizer"),
+    (["--preset", "tiny", "--prompt-ids", "1,x"], "comma-separated integers"),
+    (["--preset", "tiny", "--prompt-ids", "1,256"], "out of range [0, 256)"),
+    (["--preset", "nonexistent", "--prompt-ids", "1"], "unknown model preset"),
+    (["--model", "/no/such/dir", "--prompt-ids", "1"], "does not exist"),
+    (["--model", CHAT, "--prompt-ids", "1", "--top-p", "0"], "top_p must be in (0, 1]"),
+])
+def test_generate_errors(capsys, argv, message):
+    rc, _, err = _run(capsys, "generate", *argv)
+    assert rc == 2 and message in err, err
+
+
+@pytest.mark.parametrize("command", ["train", "calibrate", "bench"])
+def test_unimplemented_subcommands(capsys, command):
+    assert SUBCOMMANDS[command][1] is None
+    rc, _, err = _run(capsys, command)
+    assert rc == 2 and "not yet implemented" in err
+
+
+@pytest.mark.parametrize("command", list(SUBCOMMANDS))
+def test_every_subcommand_has_help_and_config(capsys, command):
+    with pytest.raises(SystemExit) as e:
+        main([command, "--help"])
+    assert e.value.code == 0 and "--config" in capsys.readouterr().out
