@@ -123,8 +123,8 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         when None. Only full pages' centroids are read.
       summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``scorer="quest"``; computed when None.
       max_budget_pages: static number of pages gathered per (sequence, KV head); default M.
-        Concrete budgets needing more raise; inside jit they are clipped to it, and budgets
-        below 3 act as 3 (traced values cannot be checked).
+        Concrete budgets needing more raise; inside jit they are clipped to it, budgets below 3
+        act as 3 and a row of length 0 returns zeros (traced values cannot be checked).
 
     Returns:
       ``[B, Hq, D]`` in q's dtype. Scores and softmax in float32, scale ``D**-0.5``; the query
@@ -182,6 +182,8 @@ def _reference(q, k_pages, v_pages, page_table, lengths, budget_pages, summ, *, 
     logits = jnp.einsum("bhrd,bhtd->bhrt", q_group, k_sel, precision=hi,
                         preferred_element_type=acc) * (d ** -0.5)
     logits = jnp.where(tok_ok, logits, -jnp.inf)
-    probs = jax.nn.softmax(logits, axis=-1)
+    # A row with nothing visible (length 0, possible only in padding rows inside jit) gets zeros
+    # rather than NaN, so that it cannot poison a batch.
+    probs = jnp.where(tok_ok, jax.nn.softmax(logits, axis=-1), 0.0)
     out = jnp.einsum("bhrt,bhtd->bhrd", probs, v_sel.astype(acc), precision=hi)
     return out.reshape(b, hq, d).astype(q.dtype)
