@@ -81,16 +81,23 @@ def init_cache(config: ModelConfig, num_pages: int, page_table, *, page_size: in
                          f"[{table.min()}, {table.max()}]")
     layers, heads, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     b = page_table.shape[0]
-    pages = jnp.zeros((layers, heads, num_pages, page_size, d), dtype)
-    summary = jnp.zeros((layers, heads, num_pages, d), dtype)
-    partial = jnp.zeros((layers, b, heads, d), dtype)
+    # Every field its own buffer: a donated cache must not hand one buffer over twice.
+    def pages():
+        return jnp.zeros((layers, heads, num_pages, page_size, d), dtype)
+
+    def summary():
+        return jnp.zeros((layers, heads, num_pages, d), dtype) if quest else None
+
+    def partial():
+        return jnp.zeros((layers, b, heads, d), dtype) if quest else None
+
     quest = scorer == "quest"
     return PagedKVCache(
-        k_pages=pages, v_pages=jnp.zeros_like(pages), page_table=page_table,
-        lengths=jnp.zeros((b,), jnp.int32), centroids=summary,
+        k_pages=pages(), v_pages=pages(), page_table=page_table,
+        lengths=jnp.zeros((b,), jnp.int32), centroids=jnp.zeros((layers, heads, num_pages, d),
+                                                                dtype),
         partial_sum=jnp.zeros((layers, b, heads, d), jnp.float32),
-        kmin=summary if quest else None, kmax=summary if quest else None,
-        partial_min=partial if quest else None, partial_max=partial if quest else None,
+        kmin=summary(), kmax=summary(), partial_min=partial(), partial_max=partial(),
         page_size=page_size)
 
 
