@@ -12,10 +12,9 @@ import pytest
 from conftest import HF_PYTHON, hf_case, max_rel_err, requires_hf
 from safetensors.numpy import load_file, save_file
 
-from sparrow_jax.config import ConfigError, ModelConfig
+from sparrow_jax.config import ConfigError
 from sparrow_jax.models.hf_io import (CheckpointError, load_config, load_generation_config,
                                       load_qwen3, save_qwen3)
-from sparrow_jax.models.qwen3 import init_model
 
 
 def _params(model) -> dict:
@@ -105,12 +104,12 @@ def test_save_load_round_trip_is_exact(tmp_path, name):
         np.testing.assert_array_equal(ours[k].astype(np.float32), hf[k].astype(np.float32), err_msg=k)
 
 
-def test_round_trip_of_random_model_with_bf16_params_and_tokenizer(tmp_path):
-    config = ModelConfig.preset("tiny")
-    model = init_model(config, seed=3, param_dtype=jnp.bfloat16)
+def test_round_trip_with_bf16_params_and_tokenizer(tmp_path):
+    model, config = load_qwen3(hf_case("untied_gqa2_hd16")["path"], param_dtype=jnp.bfloat16)
     tok_dir = hf_case("chat")["path"]
     save_qwen3(model, tmp_path / "out", tokenizer_dir=tok_dir)
-    assert (tmp_path / "out" / "tokenizer.json").read_bytes() == (tok_dir / "tokenizer.json").read_bytes()
+    for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
+        assert (tmp_path / "out" / name).read_bytes() == (tok_dir / name).read_bytes()
     assert load_file(str(tmp_path / "out" / "model.safetensors"))["model.norm.weight"].dtype == "bfloat16"
     again, config2 = load_qwen3(tmp_path / "out", param_dtype=jnp.bfloat16)
     a, b = _params(model), _params(again)
