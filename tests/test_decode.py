@@ -187,8 +187,7 @@ def test_sparse_layers_use_the_cache_summaries(model, scorer):
         want = _sparse_reference_step(model, cache, tokens, budget, scorer, dense_layers=(0,))
         if i == 0:   # while the cache is still the dense prefill's: budgets >= pages are dense
             wide = jnp.asarray([20, 20], jnp.int32)
-            h_wide, _ = decode_step(model, cache, tokens, budget_pages=wide, scorer=scorer,
-                                    dense_layers=(0,))
+            h_wide = _sparse_reference_step(model, cache, tokens, wide, scorer, dense_layers=(0,))
             full = _full_logits(model, seqs)[[0, 1], [n for n in lengths]]
             assert max_rel_err(next_token_logits(model, h_wide), full) < 1e-5
         hidden, cache = decode_step_jit(model, cache, tokens, budget_pages=budget,
