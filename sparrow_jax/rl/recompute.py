@@ -1,0 +1,204 @@
+"""The dense policy's view of a rollout's response tokens (DESIGN 3.0, 3.4, 3.7).
+
+Every pass here runs the dense forward with LoRA off (the dense policy never depends on the
+sparse actor's adapter) and the LM head in chunks over response positions only, so nothing of
+shape ``[batch, seq, vocab]`` is ever built.
+
+Rows are packed into micro-batches of similar length (:func:`plan_micro_batches`) and trimmed
+to a multiple of ``length_multiple`` tokens, so padding stays small and the number of distinct
+compiled shapes stays bounded.
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.models.lm_head import head_outputs
+from sparrow_jax.rollout.types import Rollout
+
+
+# --------------------------------------------------------------------------- response positions
+def response_hidden(model, tokens: jax.Array, prompt_lengths: jax.Array,
+                    response_capacity: int) -> jax.Array:
+    """Dense forward (LoRA off) -> the hidden state predicting each response token.
+
+    tokens ``[B, T]``, prompt_lengths ``[B]`` -> ``[B, R, hidden]``: row b, slot j holds the
+    hidden state at position ``prompt_lengths[b] + j - 1``, which predicts response token j.
+    """
+    hidden, _ = model.forward(tokens, lora=False)
+    t = tokens.shape[1]
+    pos = prompt_lengths[:, None] + jnp.arange(response_capacity)[None, :] - 1
+    pos = jnp.clip(pos, 0, t - 1)
+    return jnp.take_along_axis(hidden, pos[:, :, None], axis=1)
+
+
+def response_tokens(tokens: jax.Array, prompt_lengths: jax.Array,
+                    response_capacity: int) -> jax.Array:
+    """tokens ``[B, T]`` -> the response tokens ``[B, R]`` (clamped garbage past the end)."""
+    pos = prompt_lengths[:, None] + jnp.arange(response_capacity)[None, :]
+    return jnp.take_along_axis(tokens, jnp.clip(pos, 0, tokens.shape[1] - 1), axis=1)
+
+
+def response_logprobs(model, tokens: jax.Array, prompt_lengths: jax.Array,
+                      response_capacity: int, temperature: float, *,
+                      chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
+    """Differentiable dense log-probs of the sampled response tokens under ``softmax(logits /
+    T)`` and the entropy there: ``([B, R], [B, R])``."""
+    h = response_hidden(model, tokens, prompt_lengths, response_capacity)
+    ids = response_tokens(tokens, prompt_lengths, response_capacity)
+    out = head_outputs(h, model.head_weight(), ids, temperature=temperature, entropy=True,
+                       chunk_size=chunk_size)
+    return out.logprobs, out.entropy
+
+
+# --------------------------------------------------------------------------- dense statistics
+class DenseStats(NamedTuple):
+    """The dense recompute of one rollout, per response slot (``[S, R, ...]``)."""
+
+    logprobs: jax.Array             # [S, R]: dense log p of the sampled token (logp_old_dense)
+    actor_topk_logprobs: jax.Array  # [S, R, k]: dense log p at the sparse actor's top-k ids
+    topk_ids: jax.Array             # [S, R, top_k]: dense top-k ids
+    topk_logprobs: jax.Array        # [S, R, top_k]
+    entropy: jax.Array              # [S, R]
+
+
+def _head_stats(h, w, ids, actor_ids, temperature, top_k, chunk_size):
+    """h ``[N, d]``, ids ``[N]``, actor_ids ``[N, k]`` -> per-position stats, one ``[chunk, V]``
+    block of logits alive at a time."""
+    n, d = h.shape
+    chunk = max(1, min(chunk_size, n))
+    pad = (-n) % chunk
+
+    def padded(x):
+        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])
+
+    def body(xs):
+        hc, idc, ac = xs
+        logits = jnp.einsum("td,vd->tv", hc.astype(w.dtype), w,
+                            preferred_element_type=jnp.float32) / temperature
+        logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
+        lp = jnp.take_along_axis(logp, idc[:, None], axis=-1)[:, 0]
+        actor_lp = jnp.take_along_axis(logp, ac, axis=-1)
+        tk_lp, tk_ids = jax.lax.top_k(logp, top_k)
+        ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
+        return lp, actor_lp, tk_ids.astype(jnp.int32), tk_lp, ent
+
+    outs = jax.lax.map(body, (padded(h), padded(ids), padded(actor_ids)))
+    return tuple(o.reshape(-1, *o.shape[2:])[:n] for o in outs)
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("response_capacity",
+                   "temperature", "top_k", "chunk_size"))
+def _dense_stats_jit(graphdef, state, tokens, prompt_lengths, actor_topk_ids, *,
+                     response_capacity, temperature, top_k, chunk_size):
+    model = nnx.merge(graphdef, state)
+    h = response_hidden(model, tokens, prompt_lengths, response_capacity)
+    ids = response_tokens(tokens, prompt_lengths, response_capacity)
+    b, r, k = actor_topk_ids.shape
+    outs = _head_stats(h.reshape(b * r, -1), model.head_weight(), ids.reshape(-1),
+                       actor_topk_ids.reshape(b * r, k), temperature, top_k, chunk_size)
+    return DenseStats(*(o.reshape(b, r, *o.shape[1:]) for o in outs))
+
+
+# --------------------------------------------------------------------------- micro-batches
+def round_up(n: int, multiple: int) -> int:
+    return max(multiple, -(-int(n) // multiple) * multiple)
+
+
+def plan_micro_batches(rows: np.ndarray, total_lengths: np.ndarray,
+                       micro_batch_size: int) -> list[np.ndarray]:
+    """Splits ``rows`` into consecutive groups of ``micro_batch_size`` after sorting by length
+    (longest first, ties by row index), so each micro-batch pads to a similar length."""
+    if micro_batch_size <= 0:
+        raise ValueError(f"micro_batch_size must be positive, got {micro_batch_size}")
+    rows = np.asarray(rows)
+    order = rows[np.lexsort((rows, -np.asarray(total_lengths)[rows]))]
+    return [order[i:i + micro_batch_size] for i in range(0, len(order), micro_batch_size)]
+
+
+class HostRollout(NamedTuple):
+    """A :class:`Rollout` as NumPy arrays (host-side slicing without device round trips)."""
+
+    tokens: np.ndarray
+    prompt_lengths: np.ndarray
+    response_lengths: np.ndarray
+    logprobs: np.ndarray
+    topk_ids: np.ndarray
+
+    @classmethod
+    def of(cls, rollout: Rollout) -> "HostRollout":
+        return cls(*(np.asarray(getattr(rollout, f)) for f in cls._fields))
+
+    @property
+    def total_lengths(self) -> np.ndarray:
+        return self.prompt_lengths + self.response_lengths
+
+
+def gather_rows(rows: np.ndarray, pad_rows: int, arrays: dict[str, np.ndarray],
+                seq_len: int | None = None, resp_len: int | None = None) -> dict[str, np.ndarray]:
+    """Takes ``rows`` of each array, pads the row axis to ``pad_rows`` with zeros, and trims axis
+    1 of ``tokens`` to ``seq_len`` and of every other 2D+ array to ``resp_len``."""
+    out = {}
+    for name, x in arrays.items():
+        x = x[rows]
+        if x.ndim >= 2:
+            keep = seq_len if name == "tokens" else resp_len
+            if keep is not None:
+                x = x[:, :keep]
+                if x.shape[1] < keep:
+                    x = np.pad(x, [(0, 0), (0, keep - x.shape[1])] + [(0, 0)] * (x.ndim - 2))
+        if len(rows) < pad_rows:
+            x = np.pad(x, [(0, pad_rows - len(rows))] + [(0, 0)] * (x.ndim - 1))
+        out[name] = x
+    return out
+
+
+def micro_shapes(host: HostRollout, rows: np.ndarray, length_multiple: int) -> tuple[int, int]:
+    """(sequence length, response length) a micro-batch of ``rows`` is trimmed to."""
+    return (round_up(host.total_lengths[rows].max(), length_multiple),
+            round_up(host.response_lengths[rows].max(), length_multiple))
+
+
+def recompute(model, rollout: Rollout, temperature: float, *, micro_batch_size: int = 8,
+              top_k: int = 20, chunk_size: int = 1024, length_multiple: int = 64) -> DenseStats:
+    """Dense recompute of a whole rollout with the model's current weights (LoRA off).
+
+    Returns :class:`DenseStats` with the rollout's ``[S, R]`` layout (zeros past each response).
+    ``temperature`` must be the rollout's, so that log-probs compare with the actor's.
+    """
+    if temperature <= 0:
+        raise ValueError(f"recompute needs the rollout's sampling temperature > 0, got "
+                         f"{temperature}")
+    host = HostRollout.of(rollout)
+    s, r = host.logprobs.shape
+    k = host.topk_ids.shape[2]
+    graphdef, state = nnx.split(model)
+    logprobs = np.zeros((s, r), np.float32)
+    actor = np.zeros((s, r, k), np.float32)
+    tk_ids = np.zeros((s, r, top_k), np.int32)
+    tk_lp = np.zeros((s, r, top_k), np.float32)
+    ent = np.zeros((s, r), np.float32)
+    for rows in plan_micro_batches(np.arange(s), host.total_lengths, micro_batch_size):
+        t_len, r_len = micro_shapes(host, rows, length_multiple)
+        mb = gather_rows(rows, micro_batch_size,
+                         {"tokens": host.tokens, "prompt_lengths": host.prompt_lengths,
+                          "topk_ids": host.topk_ids}, t_len, r_len)
+        out = _dense_stats_jit(graphdef, state, jnp.asarray(mb["tokens"]),
+                               jnp.asarray(mb["prompt_lengths"]), jnp.asarray(mb["topk_ids"]),
+                               response_capacity=r_len, temperature=float(temperature),
+                               top_k=top_k, chunk_size=chunk_size)
+        n, keep = len(rows), min(r_len, r)
+        logprobs[rows, :keep] = np.asarray(out.logprobs)[:n, :keep]
+        actor[rows, :keep] = np.asarray(out.actor_topk_logprobs)[:n, :keep]
+        tk_ids[rows, :keep] = np.asarray(out.topk_ids)[:n, :keep]
+        tk_lp[rows, :keep] = np.asarray(out.topk_logprobs)[:n, :keep]
+        ent[rows, :keep] = np.asarray(out.entropy)[:n, :keep]
+    valid = np.arange(r)[None, :] < host.response_lengths[:, None]
+    return DenseStats(*(jnp.asarray(np.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)),
+                                             x, 0)) for x in (logprobs, actor, tk_ids, tk_lp, ent)))
