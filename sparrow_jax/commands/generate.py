@@ -64,9 +64,11 @@ def _next_token_fn():
     from sparrow_jax.models.qwen3 import logits_from_hidden
     from sparrow_jax.rollout.sampling import sample
 
-    @nnx.jit(static_argnames=("sampling",))
-    def next_token(model, tokens, index, key, sampling):
+    # Plain jax.jit over the split model: nnx.jit would walk the module graph on every call.
+    @functools.partial(jax.jit, static_argnames=("graphdef", "sampling"))
+    def next_token(graphdef, state, tokens, index, key, sampling):
         """tokens ``[1, L]`` (right-padded), index: last real position -> next id ``[]``."""
+        model = nnx.merge(graphdef, state)
         hidden, _ = model.forward(tokens)
         h = jax.lax.dynamic_index_in_dim(hidden, index, axis=1, keepdims=False)
         token, _ = sample(key, logits_from_hidden(h, model.head_weight()), sampling)
@@ -82,6 +84,7 @@ def generate_ids(model, prompt_ids: Sequence[int], *, max_new_tokens: int, sampl
     import jax
     import jax.numpy as jnp
     import numpy as np
+    from flax import nnx
     from tqdm import tqdm
 
     n = len(prompt_ids)
@@ -95,14 +98,15 @@ def generate_ids(model, prompt_ids: Sequence[int], *, max_new_tokens: int, sampl
     buf[0, :n] = prompt_ids
     key = jax.random.key(seed)
     next_token = _next_token_fn()
+    graphdef, state = nnx.split(model)
     eos = set(int(e) for e in eos_ids)
     out: list[int] = []
     first = rest = 0.0
     for step in tqdm(range(max_new_tokens), disable=not progress, file=sys.stderr,
                      desc="generate", unit="tok"):
         t0 = time.perf_counter()
-        tok = int(next_token(model, jnp.asarray(buf), n + step - 1, jax.random.fold_in(key, step),
-                             sampling))
+        tok = int(next_token(graphdef, state, jnp.asarray(buf), n + step - 1,
+                             jax.random.fold_in(key, step), sampling))
         dt = time.perf_counter() - t0
         first, rest = (dt, rest) if step == 0 else (first, rest + dt)
         out.append(tok)
