@@ -88,7 +88,7 @@ def _decode_token_by_token(model, tokens, budgets, prompts, dense_layers, scorer
 def test_model_matches_decode_loop(scorer):
     model = init_model(_tiny_config(), seed=0)
     rng = np.random.default_rng(2)
-    b, t = 2, 40
+    b, t = 2, 32
     tokens = jnp.asarray(rng.integers(0, 64, size=(b, t)), jnp.int32)
     budgets = jnp.asarray(rng.integers(3, 7, size=(b, t)), jnp.int32)
     prompts = jnp.asarray([6, 3], jnp.int32)
@@ -132,9 +132,9 @@ def test_memory_grows_linearly_with_length():
         return jax.jit(f).lower(q, kv, kv, bud, pl).compile().memory_analysis().temp_size_in_bytes
 
     for grad in (False, True):
-        small, large = temp_bytes(512, grad), temp_bytes(2048, grad)
-        assert large / small < 4.5, (grad, small, large)   # quadratic would be 16x
-        assert large < 2048 * 2048 * 4 * 4 / 2              # far below one [T, T, Hq] f32 array
+        small, large = temp_bytes(256, grad), temp_bytes(1024, grad)
+        assert large / small < 5, (grad, small, large)     # quadratic would be 16x
+        assert large < 1024 * 1024 * 4 * 4 / 2              # far below one [T, T, Hq] f32 array
 
 
 def test_bad_input_is_named():
