@@ -3,6 +3,7 @@ dispatch of the not-yet-implemented subcommands, and clear errors."""
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -18,6 +19,15 @@ from sparrow_jax.models.tokenizer import load_tokenizer
 from sparrow_jax.rollout.sampling import SamplingParams
 
 CHAT = str(hf_case("chat")["path"])
+
+
+@pytest.fixture(autouse=True)
+def _float32_matmuls():
+    """The greedy reference is a differently shaped (unpadded) forward: on GPU, JAX's default
+    float32 matmul is TF32 (~1e-3 relative), enough to flip a near-tie argmax between the two, so
+    pin full precision; on CPU this changes nothing."""
+    with jax.default_matmul_precision("highest"):
+        yield
 
 
 def _run(capsys, *argv):
