@@ -32,18 +32,22 @@ def _positive(obj, *names):
 
 @dataclasses.dataclass(frozen=True)
 class ModelSpec:
-    """Where the policy comes from: an HF folder (``path``) or a preset of ``configs/models``
-    initialised at random from ``seed`` (tests, benchmarks)."""
+    """Where the policy comes from: an HF folder (``path``), or an architecture initialised at
+    random from ``seed`` (tests, benchmarks): a preset of ``configs/models`` or an inline
+    ``hf_config`` (the keys of an HF config.json)."""
 
     path: str | None = None
     preset: str | None = None
+    hf_config: dict[str, Any] | None = None
     seed: int = 0
     dtype: str = "float32"       # compute dtype; master weights are always float32
     remat: bool = False
 
     def __post_init__(self):
-        if (self.path is None) == (self.preset is None):
-            raise ConfigError("model: give exactly one of `path` (HF folder) or `preset`")
+        given = [k for k in ("path", "preset", "hf_config") if getattr(self, k) is not None]
+        if len(given) != 1:
+            raise ConfigError(f"model: give exactly one of `path` (HF folder), `preset` or "
+                              f"`hf_config`, got {given or 'none'}")
         if self.dtype not in DTYPES:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
 

@@ -1,0 +1,313 @@
+"""GRPO with sparse rollouts and dense recomputation: the training loop (DESIGN 1, 3.6).
+
+One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off)
+-> mismatch metrics -> GRPO update -> metrics -> checkpoint. Steps are 0-based; the checkpoint
+named s holds the state before step s (s steps done), so ``--resume`` continues at step s and
+reproduces an uninterrupted run bit for bit (every random choice flows from the saved key and
+iterator state).
+
+The rollout is a function ``rollout_fn(model, prompts, key, n) -> Rollout`` (the n samples of a
+prompt in adjacent rows); by default it is :func:`sparrow_jax.rollout.engine.generate` with the
+config's sampling settings and budget schedule.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+from pathlib import Path
+from typing import Any, Callable, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.config import ConfigError, from_dict, to_dict
+from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
+from sparrow_jax.rl.advantages import group_advantages
+from sparrow_jax.rl.config import ModelSpec, TrainConfig, load_train_config
+from sparrow_jax.rl.recompute import DenseStats, recompute
+from sparrow_jax.rl.rewards import get_reward, score_batch
+from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
+from sparrow_jax.rollout.types import Rollout
+
+RolloutFn = Callable[[Any, list[list[int]], jax.Array, int], Rollout]
+
+
+# ------------------------------------------------------------------------------ building blocks
+def load_policy(spec: ModelSpec):
+    """-> (model with float32 master weights, ModelConfig)."""
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[spec.dtype]
+    if spec.path is not None:
+        from sparrow_jax.models.hf_io import load_qwen3
+
+        return load_qwen3(spec.path, dtype=dtype, param_dtype=jnp.float32, remat=spec.remat)
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.qwen3 import init_model
+
+    cfg = (ModelConfig.preset(spec.preset) if spec.preset is not None
+           else ModelConfig.from_hf_dict(spec.hf_config))
+    return init_model(cfg, seed=spec.seed, dtype=dtype, remat=spec.remat), cfg
+
+
+def build_schedule(spec: dict[str, Any] | None):
+    """``{"paper": "qwen3-1.7b"}`` or the fields of :class:`sparrow_jax.schedule.BudgetSchedule`
+    (``{kind: fixed, pages: 6}``); None: dense rollouts."""
+    if spec is None:
+        return None
+    from sparrow_jax.schedule import BudgetSchedule
+
+    if set(spec) == {"paper"}:
+        return BudgetSchedule.paper(spec["paper"])
+    return from_dict(BudgetSchedule, spec)
+
+
+def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
+    """The sparse rollout engine with the config's temperature-only sampling."""
+    from sparrow_jax.rollout.engine import RolloutConfig, generate
+
+    r = config.rollout
+
+    def rollout_fn(model, prompts, key, n):
+        cfg = from_dict(RolloutConfig, {
+            "n": n, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
+            **r.engine})
+        return generate(model, prompts, cfg, key, schedule=schedule)
+
+    return rollout_fn
+
+
+def responses_of(rollout: Rollout) -> list[list[int]]:
+    tokens = np.asarray(rollout.tokens)
+    p, n = np.asarray(rollout.prompt_lengths), np.asarray(rollout.response_lengths)
+    return [tokens[b, p[b]:p[b] + n[b]].tolist() for b in range(tokens.shape[0])]
+
+
+def check_rollout(rollout: Rollout, num_prompts: int, n: int) -> None:
+    s = rollout.tokens.shape[0]
+    if s != num_prompts * n:
+        raise ValueError(f"rollout has {s} rows, expected {num_prompts} prompts x {n} samples")
+    expected = np.repeat(np.arange(num_prompts), n)
+    if not np.array_equal(np.asarray(rollout.prompt_index), expected):
+        raise ValueError("rollout rows are not grouped as n adjacent samples per prompt "
+                         "(prompt_index must be 0,0,..,1,1,..)")
+
+
+def mismatch_metrics(rollout: Rollout, dense: DenseStats, bin_tokens: int, num_bins: int,
+                     min_count: int, page_size: int) -> dict[str, float]:
+    """Acceptance rates (``topk_bound`` and ``paper`` estimators, DESIGN 3.4), their mean, 5th
+    percentile over all response tokens and tail statistic per length bin, and the fraction of
+    decode steps that ran sparse (``ceil(lengths / P) > budget``)."""
+    from sparrow_jax.mismatch import (acceptance_rate_paper, acceptance_rate_topk_bound,
+                                      tail_statistic)
+
+    mask = np.asarray(rollout.response_mask)
+    r = mask.shape[1]
+    # Response token j is sampled at the step whose query sits at index p + j - 1, so that
+    # step's ``lengths`` (DESIGN 3.1) is p + j.
+    lengths = np.asarray(rollout.prompt_lengths)[:, None] + np.arange(r)[None, :]
+    alphas = {
+        "topk_bound": acceptance_rate_topk_bound(dense.actor_topk_logprobs,
+                                                 rollout.topk_logprobs),
+        "paper": acceptance_rate_paper(dense.topk_ids, dense.topk_logprobs, rollout.topk_ids,
+                                       rollout.topk_logprobs),
+    }
+    out = {}
+    for name, alpha in alphas.items():
+        a = np.asarray(alpha)
+        out[f"alpha_{name}_mean"] = float(a[mask].mean())
+        out[f"alpha_{name}_p5"] = float(np.percentile(a[mask], 5))
+        tail = np.asarray(tail_statistic(alpha, jnp.asarray(lengths), bin_tokens=bin_tokens,
+                                         quantile=0.05, mask=jnp.asarray(mask),
+                                         num_bins=num_bins, min_count=min_count))
+        for i, v in enumerate(tail):
+            if np.isfinite(v):
+                out[f"alpha_{name}_p5_bin{i:02d}"] = float(v)
+    budget = np.asarray(rollout.budget_pages)
+    pages = -(-lengths // page_size)
+    sparse = (budget > 0) & (pages > budget)
+    out["sparse_step_fraction"] = float(sparse[mask].mean())
+    return out
+
+
+class TrainResult(NamedTuple):
+    model: Any
+    history: list[dict[str, float]]
+
+
+# ------------------------------------------------------------------------------ the loop
+class Trainer:
+    def __init__(self, config: TrainConfig, rollout_fn: RolloutFn | None = None):
+        self.config = config
+        self.model, self.model_config = load_policy(config.model)
+        self.schedule = build_schedule(config.schedule)
+        self.rollout_fn = rollout_fn or engine_rollout_fn(config, self.schedule)
+        self.reward_fn = get_reward(config.reward)
+        tokenizer = None
+        if config.data.task is None or config.reward in ("math", "exact_match"):
+            if config.model.path is None:
+                raise ConfigError("file prompts and text rewards need a model `path` with a "
+                                  "tokenizer")
+            from sparrow_jax.models.tokenizer import load_tokenizer
+
+            tokenizer = load_tokenizer(config.model.path)
+        self.reward_context = dict(config.reward_options, tokenizer=tokenizer,
+                                   eos_ids=tuple(self.model_config.eos_token_ids))
+        self.train_set, self.eval_set = build_prompt_sets(config.data, tokenizer)
+        self.iterator = PromptIterator(len(self.train_set.prompts), config.data.prompts_per_step,
+                                       config.data.seed)
+        self.updater = PolicyUpdater(config.update, config.optim)
+        self.opt_state = self.updater.init(self.model)
+        self.key = jax.random.key(config.seed)
+        self.step = 0
+        run_dir = Path(config.run_dir)
+        from sparrow_jax.checkpoint import Checkpointer
+
+        self.checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints)
+
+    # -- checkpoints -------------------------------------------------------------------------
+    def _arrays(self):
+        return {"params": nnx.state(self.model, nnx.Param), "opt_state": self.opt_state,
+                "key": jax.random.key_data(self.key)}
+
+    def save(self) -> None:
+        record = {"step": self.step, "data": self.iterator.state_dict(),
+                  "schedule": None if self.schedule is None else self.schedule.to_dict(),
+                  "config": to_dict(self.config)}
+        self.checkpointer.save(self.step, self._arrays(), record)
+
+    def restore(self, step: int | None = None) -> None:
+        step = self.checkpointer.latest_step() if step is None else step
+        if step is None:
+            raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpointer.directory}")
+        arrays, record = self.checkpointer.restore(step, self._arrays())
+        nnx.update(self.model, arrays["params"])
+        self.opt_state = arrays["opt_state"]
+        self.key = jax.random.wrap_key_data(arrays["key"])
+        self.iterator.load_state_dict(record["data"])
+        if record["schedule"] is not None:
+            self.schedule = build_schedule(record["schedule"])
+        self.step = int(record["step"])
+
+    # -- one step ----------------------------------------------------------------------------
+    def train_step(self) -> dict[str, float]:
+        cfg = self.config
+        n, temperature = cfg.rollout.samples_per_prompt, cfg.rollout.temperature
+        prompts, answers = self.iterator.next_batch(self.train_set)
+        self.key, k_roll, k_update = jax.random.split(self.key, 3)
+
+        t0 = time.perf_counter()
+        rollout = jax.block_until_ready(self.rollout_fn(self.model, prompts, k_roll, n))
+        t_rollout = time.perf_counter() - t0
+        check_rollout(rollout, len(prompts), n)
+        responses = responses_of(rollout)
+        rewards = score_batch(self.reward_fn, [p for p in prompts for _ in range(n)], responses,
+                              [a for a in answers for _ in range(n)], **self.reward_context)
+        advantages = np.asarray(group_advantages(np.asarray(rewards), n))
+
+        t0 = time.perf_counter()
+        u = cfg.update
+        dense = jax.block_until_ready(recompute(
+            self.model, rollout, temperature, micro_batch_size=u.micro_batch_size,
+            top_k=cfg.mismatch.top_k, chunk_size=u.chunk_size, length_multiple=u.length_multiple))
+        t_recompute = time.perf_counter() - t0
+
+        t0 = time.perf_counter()
+        batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
+                            np.asarray(rollout.response_lengths), np.asarray(dense.logprobs),
+                            np.asarray(rollout.logprobs), advantages.astype(np.float32))
+        self.opt_state, update_metrics = self.updater.update(
+            self.model, self.opt_state, batch, k_update, temperature, self.step)
+        t_update = time.perf_counter() - t0
+
+        mask = np.asarray(rollout.response_mask)
+        lengths = np.asarray(rollout.response_lengths)
+        update_metrics.pop("entropy")  # the recompute's entropy below is the rollout policy's
+        metrics = {
+            "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
+            "response_length_mean": float(lengths.mean()),
+            "response_length_max": float(lengths.max()),
+            "entropy": float(np.asarray(dense.entropy)[mask].mean()),
+            **mismatch_metrics(rollout, dense, cfg.mismatch.bin_tokens, cfg.mismatch.num_bins,
+                               cfg.mismatch.min_count,
+                               int(cfg.rollout.engine.get("page_size", 16))),
+            **update_metrics,
+            "tokens_per_s": float(lengths.sum() / max(t_rollout, 1e-9)),
+            "time_rollout": t_rollout, "time_recompute": t_recompute, "time_update": t_update,
+        }
+        self.step += 1
+        return metrics
+
+    def evaluate(self) -> dict[str, float]:
+        k = self.config.eval_samples
+
+        def sample_fn(prompts, k_):
+            self.key, sub = jax.random.split(self.key)
+            return responses_of(self.rollout_fn(self.model, prompts, sub, k_))
+
+        def reward(p, r, a):
+            return self.reward_fn(p, r, a, **self.reward_context)
+
+        res = evaluate_mean_at_k(sample_fn, self.eval_set, reward, k,
+                                 batch_size=self.config.data.prompts_per_step)
+        return {"eval_mean_at_k": res["mean_at_k"], "eval_best_at_k": res["best_at_k"]}
+
+    def run(self, resume: bool = False) -> TrainResult:
+        cfg = self.config
+        if resume:
+            self.restore()
+        from sparrow_jax.metrics import MetricsWriter
+
+        writer = MetricsWriter(cfg.run_dir, tensorboard=cfg.tensorboard,
+                               resume_from=self.step if resume else None)
+        history = []
+        bar = None
+        if cfg.progress:
+            from tqdm import tqdm
+
+            bar = tqdm(total=cfg.steps, initial=self.step, desc="grpo", unit="step")
+        try:
+            while self.step < cfg.steps:
+                step = self.step
+                metrics = self.train_step()
+                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
+                    metrics.update(self.evaluate())
+                writer.write(step, metrics)
+                history.append({"step": step, **metrics})
+                if bar is not None:
+                    bar.update(1)
+                    bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                                    alpha=f"{metrics['alpha_paper_mean']:.3f}")
+                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                    self.save()
+        finally:
+            if bar is not None:
+                bar.close()
+            writer.close()
+        return TrainResult(self.model, history)
+
+
+def train(config: TrainConfig, *, resume: bool = False,
+          rollout_fn: RolloutFn | None = None) -> TrainResult:
+    """Runs GRPO for ``config.steps`` steps (from the latest checkpoint with ``resume``)."""
+    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    return Trainer(config, rollout_fn).run(resume=resume)
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--resume", action="store_true",
+                        help="continue from the latest checkpoint in the run folder")
+
+
+def main_train(args: argparse.Namespace) -> int:
+    """``sparrow train --config X.yaml [--resume]``."""
+    if args.config is None:
+        raise ConfigError("sparrow train needs --config FILE.yaml (a TrainConfig)")
+    config = load_train_config(args.config)
+    result = train(config, resume=bool(getattr(args, "resume", False)))
+    last = result.history[-1] if result.history else {}
+    print(f"done: {config.steps} steps in {config.run_dir}; last reward_mean="
+          f"{last.get('reward_mean', float('nan')):.4f}")
+    return 0
+
