@@ -38,16 +38,18 @@ def _add_config_option(parser: argparse.ArgumentParser) -> None:
                              "underscores); command-line options override it")
 
 
-def build_parser() -> argparse.ArgumentParser:
+def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
+    """The top-level parser and each subcommand's parser, by name."""
     parser = argparse.ArgumentParser(
         prog="sparrow", description="sparrow-jax: long-context RL of LLMs with sparse rollouts")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
+    subs = {}
     for name, (help_text, module) in SUBCOMMANDS.items():
-        sub = subparsers.add_parser(name, help=help_text, description=help_text)
+        sub = subs[name] = subparsers.add_parser(name, help=help_text, description=help_text)
         _add_config_option(sub)
         if module is not None:
             importlib.import_module(module).add_arguments(sub)
-    return parser
+    return parser, subs
 
 
 def _config_defaults(sub: argparse.ArgumentParser, path: Path) -> dict:
@@ -67,9 +69,9 @@ def _config_defaults(sub: argparse.ArgumentParser, path: Path) -> dict:
 
 def main(argv: Sequence[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
-    parser = build_parser()
+    parser, subs = build_parser()
     args = parser.parse_args(argv)
-    sub = parser._subparsers._group_actions[0].choices[args.command]
+    sub = subs[args.command]
     try:
         if args.config is not None:
             # Values from the file become defaults; a second parse lets the command line win.

@@ -138,6 +138,7 @@ def load_qwen3(path: str | Path, dtype=jnp.float32, param_dtype=None, *,
 
     ``dtype`` is the compute dtype; parameters are stored in ``param_dtype`` (default float32
     masters, whatever the checkpoint's dtype; bfloat16 halves the memory of inference-only use).
+    ``remat``: rematerialise each layer in the backward pass (training).
     Every tensor the config implies must be present with its exact shape; tensors it does not
     imply are an error (a config that disagrees with its weights must not load quietly), except
     rotary ``inv_freq`` buffers and a tied ``lm_head.weight`` equal to the embedding.
