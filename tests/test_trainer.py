@@ -102,7 +102,8 @@ def _config(run_dir, **over):
         "update": {"mini_batches": 2, "epochs": 2, "micro_batch_size": 2, "length_multiple": 16},
         "optim": {"learning_rate": 1e-2, "warmup_steps": 2},
         "mismatch": {"top_k": TOPK, "min_count": 4},
-        "checkpoint_every": 2, "keep_checkpoints": 2, "tensorboard": False, "progress": False,
+        "checkpoint_every": 2, "keep_checkpoints": 2, "eval_every": 3, "eval_samples": 2,
+        "tensorboard": False, "progress": False,
     }
     for k, v in over.items():
         base[k] = {**base[k], **v} if isinstance(v, dict) and k in base else v
@@ -162,6 +163,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
         return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time", "tokens"))}
                 for x in (d / "metrics.jsonl").read_text().splitlines()]
     assert [r["step"] for r in lines(killed)] == list(range(6))
+    assert [r["step"] for r in lines(killed) if "eval_mean_at_k" in r] == [2, 5]
     assert lines(full) == lines(killed)
 
 

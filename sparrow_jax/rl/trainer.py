@@ -223,7 +223,6 @@ class Trainer:
 
         mask = np.asarray(rollout.response_mask)
         lengths = np.asarray(rollout.response_lengths)
-        update_metrics.pop("entropy")  # the recompute's entropy below is the rollout policy's
         metrics = {
             "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
             "response_length_mean": float(lengths.mean()),

@@ -81,7 +81,7 @@ def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old,
                                           temperature, chunk_size=chunk_size)
         loss, metrics = grpo_loss(logp, logp_old, logp_sparse, advantages, mask, num_tokens,
                                   loss_config)
-        metrics["entropy"] = jnp.sum(entropy * mask) / num_tokens
+        metrics["update_entropy"] = jnp.sum(entropy * mask) / num_tokens
         return loss, metrics
 
     (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
@@ -97,7 +97,8 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
                          config: UpdateConfig, temperature: float) -> tuple[Any, dict[str, float]]:
     """Gradient of the mini-batch loss over ``rows`` (token-mean over all their response
     tokens), accumulated over length-bucketed micro-batches of ``config.micro_batch_size``.
-    Returns (grads like ``params``, metrics: loss, clip fractions, entropy, ...)."""
+    Returns (grads like ``params``, metrics: loss, clip fractions, the current policy's
+    entropy, ...)."""
     rows = np.asarray(rows)
     num_tokens = int(batch.response_lengths[rows].sum())
     if num_tokens == 0:
