@@ -12,8 +12,10 @@ from sparrow_jax.models.lora import LoRAConfig, LoRAParam, attach_lora
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import LossConfig
+from sparrow_jax.rl.recompute import empty_stats, recompute
 from sparrow_jax.rl.update import (NonFiniteError, PolicyUpdater, UpdateBatch,
                                    mini_batch_gradients, split_model)
+from sparrow_jax.rollout.types import Rollout
 
 CFG = ModelConfig(vocab_size=40, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
@@ -98,7 +100,7 @@ def test_adamw_step_matches_hand_written_adam_and_leaves_lora():
     before = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     lora_before = jax.tree.map(np.asarray, nnx.state(model, LoRAParam))
     up = PolicyUpdater(ucfg, ocfg)
-    up.update(model, up.init(model), batch, jax.random.key(0), TEMP, step=0)
+    up.update(model, up.init(model), batch, up.plan(jax.random.key(0), 8), TEMP, step=0)
     after = split_model(model)[1]
 
     def adam(p, g):  # first step: m = (1-b1) g, v = (1-b2) g^2, bias-corrected -> g / (|g| + eps)
@@ -119,6 +121,55 @@ def test_non_finite_gradient_stops_before_update():
     before = jax.tree.map(np.asarray, split_model(model)[1])
     up = PolicyUpdater(UpdateConfig(length_multiple=32), OptimConfig())
     with pytest.raises(NonFiniteError, match="training step 17"):
-        up.update(model, up.init(model), batch, jax.random.key(0), TEMP, step=17)
+        up.update(model, up.init(model), batch, up.plan(jax.random.key(0), 8), TEMP, step=17)
     jax.tree.map(np.testing.assert_array_equal, before,
                  jax.tree.map(np.asarray, split_model(model)[1]))
+
+
+def test_fused_recompute_equals_separate_recompute():
+    """Two epochs of two mini-batches: fusing the first mini-batch's recompute into its forward
+    gives the separate recompute's statistics and (to float rounding) the same parameters."""
+    rng = np.random.default_rng(5)
+    base = _batch(4)
+    k = 3
+    actor = rng.integers(0, 40, base.logp_old.shape + (k,)).astype(np.int32)
+    rollout = Rollout(tokens=jnp.asarray(base.tokens), prompt_lengths=jnp.asarray(base.prompt_lengths),
+                      response_lengths=jnp.asarray(base.response_lengths),
+                      logprobs=jnp.asarray(base.logp_sparse), topk_ids=jnp.asarray(actor),
+                      topk_logprobs=jnp.zeros(actor.shape), budget_pages=jnp.zeros(
+                          base.logp_old.shape, jnp.int32), finish_reason=jnp.zeros(8, jnp.int32),
+                      prompt_index=jnp.arange(8) // 2)
+    ucfg = UpdateConfig(mini_batches=2, epochs=2, micro_batch_size=2, length_multiple=32)
+    ocfg = OptimConfig(learning_rate=1e-3)
+    results = []
+    for fuse in (False, True):
+        model = _model(6)
+        dense = recompute(model, rollout, TEMP, micro_batch_size=4, top_k=5, length_multiple=32)
+        up = PolicyUpdater(ucfg, ocfg)
+        plan = up.plan(jax.random.key(1), 8)
+        fused = None
+        if fuse:
+            fused = empty_stats(8, base.logp_old.shape[1], k, 5)
+            # as the trainer: the separate pass covers only the rows outside the first mini-batch
+            others = np.where(np.isin(np.arange(8), plan[0][0]), 0.0, 1.0)[:, None]
+            batch = base._replace(logp_old=(dense.logprobs * others).astype(np.float32),
+                                  actor_topk_ids=actor)
+        else:
+            batch = base._replace(logp_old=dense.logprobs.copy())
+        _, metrics = up.update(model, up.init(model), batch, plan, TEMP, step=0, fused=fused)
+        if fuse:
+            rows = plan[0][0]
+            for got, want in zip(fused, dense):
+                np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(want)[rows],
+                                           rtol=1e-5, atol=1e-6)
+            # the other rows were left for the separate pass; later steps saw the fused values
+            assert not np.any(fused.logprobs[plan[0][1]])
+            np.testing.assert_array_equal(batch.logp_old[rows], fused.logprobs[rows])
+        results.append((split_model(model)[1], metrics))
+    (p0, m0), (p1, m1) = results
+    moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), p0,
+                         split_model(_model(6))[1])
+    assert max(jax.tree.leaves(moved)) > 1e-3
+    jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
+                                                         rtol=1e-4, atol=1e-6), p0, p1)
+    np.testing.assert_allclose(m0["loss"], m1["loss"], rtol=1e-4, atol=1e-7)

@@ -113,6 +113,7 @@ class UpdateConfig:
     micro_batch_size: int = 8
     length_multiple: int = 64      # micro-batch lengths round up to this (bounds recompiles)
     chunk_size: int = 1024         # LM-head positions per chunk
+    fuse_recompute: bool = True    # the first mini-batch's forward is its rows' dense recompute
     loss: LossConfig = LossConfig()
 
     def __post_init__(self):

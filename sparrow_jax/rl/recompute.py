@@ -19,7 +19,6 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.rollout.types import Rollout
 
 
@@ -45,21 +44,10 @@ def response_tokens(tokens: jax.Array, prompt_lengths: jax.Array,
     return jnp.take_along_axis(tokens, jnp.clip(pos, 0, tokens.shape[1] - 1), axis=1)
 
 
-def response_logprobs(model, tokens: jax.Array, prompt_lengths: jax.Array,
-                      response_capacity: int, temperature: float, *,
-                      chunk_size: int = 1024) -> tuple[jax.Array, jax.Array]:
-    """Differentiable dense log-probs of the sampled response tokens under ``softmax(logits /
-    T)`` and the entropy there: ``([B, R], [B, R])``."""
-    h = response_hidden(model, tokens, prompt_lengths, response_capacity)
-    ids = response_tokens(tokens, prompt_lengths, response_capacity)
-    out = head_outputs(h, model.head_weight(), ids, temperature=temperature, entropy=True,
-                       chunk_size=chunk_size)
-    return out.logprobs, out.entropy
-
-
 # --------------------------------------------------------------------------- dense statistics
 class DenseStats(NamedTuple):
-    """The dense recompute of one rollout, per response slot (``[S, R, ...]``)."""
+    """The dense recompute of one rollout, per response slot (``[S, R, ...]``; host NumPy
+    arrays from :func:`recompute`, device arrays inside jitted code)."""
 
     logprobs: jax.Array             # [S, R]: dense log p of the sampled token (logp_old_dense)
     actor_topk_logprobs: jax.Array  # [S, R, k]: dense log p at the sparse actor's top-k ids
@@ -93,6 +81,18 @@ def _head_stats(h, w, ids, actor_ids, temperature, top_k, chunk_size):
     return tuple(o.reshape(-1, *o.shape[2:])[:n] for o in outs)
 
 
+def stats_from_hidden(h: jax.Array, head_weight: jax.Array, ids: jax.Array,
+                      actor_topk_ids: jax.Array, temperature: float, top_k: int,
+                      chunk_size: int) -> DenseStats:
+    """h ``[B, R, d]`` (from :func:`response_hidden`), ids ``[B, R]``, actor_topk_ids
+    ``[B, R, k]`` -> :class:`DenseStats` ``[B, R, ...]`` (not differentiated)."""
+    b, r, k = actor_topk_ids.shape
+    h, head_weight = jax.lax.stop_gradient(h), jax.lax.stop_gradient(head_weight)
+    outs = _head_stats(h.reshape(b * r, -1), head_weight, ids.reshape(-1),
+                       actor_topk_ids.reshape(b * r, k), temperature, top_k, chunk_size)
+    return DenseStats(*(o.reshape(b, r, *o.shape[1:]) for o in outs))
+
+
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("response_capacity",
                    "temperature", "top_k", "chunk_size"))
 def _dense_stats_jit(graphdef, state, tokens, prompt_lengths, actor_topk_ids, *,
@@ -100,10 +100,8 @@ def _dense_stats_jit(graphdef, state, tokens, prompt_lengths, actor_topk_ids, *,
     model = nnx.merge(graphdef, state)
     h = response_hidden(model, tokens, prompt_lengths, response_capacity)
     ids = response_tokens(tokens, prompt_lengths, response_capacity)
-    b, r, k = actor_topk_ids.shape
-    outs = _head_stats(h.reshape(b * r, -1), model.head_weight(), ids.reshape(-1),
-                       actor_topk_ids.reshape(b * r, k), temperature, top_k, chunk_size)
-    return DenseStats(*(o.reshape(b, r, *o.shape[1:]) for o in outs))
+    return stats_from_hidden(h, model.head_weight(), ids, actor_topk_ids, temperature, top_k,
+                             chunk_size)
 
 
 # --------------------------------------------------------------------------- micro-batches
@@ -165,40 +163,51 @@ def micro_shapes(host: HostRollout, rows: np.ndarray, length_multiple: int) -> t
             round_up(host.response_lengths[rows].max(), length_multiple))
 
 
-def recompute(model, rollout: Rollout, temperature: float, *, micro_batch_size: int = 8,
-              top_k: int = 20, chunk_size: int = 1024, length_multiple: int = 64) -> DenseStats:
-    """Dense recompute of a whole rollout with the model's current weights (LoRA off).
+def empty_stats(num_rows: int, response_capacity: int, k: int, top_k: int) -> DenseStats:
+    """Zero-filled host :class:`DenseStats`, to be filled row by row."""
+    s, r = num_rows, response_capacity
+    return DenseStats(np.zeros((s, r), np.float32), np.zeros((s, r, k), np.float32),
+                      np.zeros((s, r, top_k), np.int32), np.zeros((s, r, top_k), np.float32),
+                      np.zeros((s, r), np.float32))
 
-    Returns :class:`DenseStats` with the rollout's ``[S, R]`` layout (zeros past each response).
-    ``temperature`` must be the rollout's, so that log-probs compare with the actor's.
+
+def fill_rows(into: DenseStats, rows: np.ndarray, out: DenseStats,
+              response_lengths: np.ndarray) -> None:
+    """Writes the first ``len(rows)`` rows of the micro-batch result ``out`` into rows ``rows`` of
+    the host stats ``into``, zero past each response (padding rows of ``out`` are dropped)."""
+    r = into.logprobs.shape[1]
+    keep = min(r, out.logprobs.shape[1])
+    valid = np.arange(keep)[None, :] < response_lengths[rows][:, None]
+    for dst, src in zip(into, out):
+        src = np.asarray(src)[:len(rows), :keep]
+        dst[rows, :keep] = np.where(valid.reshape(valid.shape + (1,) * (src.ndim - 2)), src, 0)
+
+
+def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray | None = None,
+              micro_batch_size: int = 8, top_k: int = 20, chunk_size: int = 1024,
+              length_multiple: int = 64) -> DenseStats:
+    """Dense recompute of a rollout with the model's current weights (LoRA off).
+
+    Returns host :class:`DenseStats` in the rollout's ``[S, R]`` layout, zero past each response
+    and on rows outside ``rows`` (default: all rows). ``temperature`` must be the rollout's, so
+    that log-probs compare with the actor's.
     """
     if temperature <= 0:
         raise ValueError(f"recompute needs the rollout's sampling temperature > 0, got "
                          f"{temperature}")
     host = HostRollout.of(rollout)
     s, r = host.logprobs.shape
-    k = host.topk_ids.shape[2]
+    stats = empty_stats(s, r, host.topk_ids.shape[2], top_k)
     graphdef, state = nnx.split(model)
-    logprobs = np.zeros((s, r), np.float32)
-    actor = np.zeros((s, r, k), np.float32)
-    tk_ids = np.zeros((s, r, top_k), np.int32)
-    tk_lp = np.zeros((s, r, top_k), np.float32)
-    ent = np.zeros((s, r), np.float32)
-    for rows in plan_micro_batches(np.arange(s), host.total_lengths, micro_batch_size):
-        t_len, r_len = micro_shapes(host, rows, length_multiple)
-        mb = gather_rows(rows, micro_batch_size,
+    rows = np.arange(s) if rows is None else np.asarray(rows)
+    for micro in plan_micro_batches(rows, host.total_lengths, micro_batch_size):
+        t_len, r_len = micro_shapes(host, micro, length_multiple)
+        mb = gather_rows(micro, micro_batch_size,
                          {"tokens": host.tokens, "prompt_lengths": host.prompt_lengths,
                           "topk_ids": host.topk_ids}, t_len, r_len)
         out = _dense_stats_jit(graphdef, state, jnp.asarray(mb["tokens"]),
                                jnp.asarray(mb["prompt_lengths"]), jnp.asarray(mb["topk_ids"]),
                                response_capacity=r_len, temperature=float(temperature),
                                top_k=top_k, chunk_size=chunk_size)
-        n, keep = len(rows), min(r_len, r)
-        logprobs[rows, :keep] = np.asarray(out.logprobs)[:n, :keep]
-        actor[rows, :keep] = np.asarray(out.actor_topk_logprobs)[:n, :keep]
-        tk_ids[rows, :keep] = np.asarray(out.topk_ids)[:n, :keep]
-        tk_lp[rows, :keep] = np.asarray(out.topk_logprobs)[:n, :keep]
-        ent[rows, :keep] = np.asarray(out.entropy)[:n, :keep]
-    valid = np.arange(r)[None, :] < host.response_lengths[:, None]
-    return DenseStats(*(jnp.asarray(np.where(valid.reshape(valid.shape + (1,) * (x.ndim - 2)),
-                                             x, 0)) for x in (logprobs, actor, tk_ids, tk_lp, ent)))
+        fill_rows(stats, micro, out, host.response_lengths)
+    return stats

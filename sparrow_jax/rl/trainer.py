@@ -206,19 +206,25 @@ class Trainer:
                               [a for a in answers for _ in range(n)], **self.reward_context)
         advantages = np.asarray(group_advantages(np.asarray(rewards), n))
 
-        t0 = time.perf_counter()
         u = cfg.update
-        dense = jax.block_until_ready(recompute(
-            self.model, rollout, temperature, micro_batch_size=u.micro_batch_size,
-            top_k=cfg.mismatch.top_k, chunk_size=u.chunk_size, length_multiple=u.length_multiple))
+        plan = self.updater.plan(k_update, len(rewards))
+        # The first mini-batch's forward doubles as its rows' recompute (update.py).
+        fused_rows = plan[0][0] if u.fuse_recompute else np.zeros(0, np.int64)
+        t0 = time.perf_counter()
+        dense = recompute(self.model, rollout, temperature,
+                          rows=np.setdiff1d(np.arange(len(rewards)), fused_rows),
+                          micro_batch_size=u.micro_batch_size, top_k=cfg.mismatch.top_k,
+                          chunk_size=u.chunk_size, length_multiple=u.length_multiple)
         t_recompute = time.perf_counter() - t0
 
         t0 = time.perf_counter()
         batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
-                            np.asarray(rollout.response_lengths), np.asarray(dense.logprobs),
-                            np.asarray(rollout.logprobs), advantages.astype(np.float32))
+                            np.asarray(rollout.response_lengths), dense.logprobs.copy(),
+                            np.asarray(rollout.logprobs), advantages.astype(np.float32),
+                            np.asarray(rollout.topk_ids))
         self.opt_state, update_metrics = self.updater.update(
-            self.model, self.opt_state, batch, k_update, temperature, self.step)
+            self.model, self.opt_state, batch, plan, temperature, self.step,
+            fused=dense if u.fuse_recompute else None)
         t_update = time.perf_counter() - t0
 
         mask = np.asarray(rollout.response_mask)
@@ -227,7 +233,7 @@ class Trainer:
             "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
             "response_length_mean": float(lengths.mean()),
             "response_length_max": float(lengths.max()),
-            "entropy": float(np.asarray(dense.entropy)[mask].mean()),
+            "entropy": float(dense.entropy[mask].mean()),
             **mismatch_metrics(rollout, dense, cfg.mismatch.bin_tokens, cfg.mismatch.num_bins,
                                cfg.mismatch.min_count,
                                int(cfg.rollout.engine.get("page_size", 16))),

@@ -5,10 +5,11 @@ sum of its micro-batches' gradients, each of ``sum(token losses) / N`` with N th
 response-token count, so micro-batching changes only the summation order. Only ``nnx.Param``
 leaves that are not ``LoRAParam`` are trained, in float32, and every forward runs with LoRA off.
 
-The dense recompute is a separate pass (:mod:`sparrow_jax.rl.recompute`), not fused into the
-first mini-batch's forward: the mismatch metrics need the dense top-20 and the dense log-probs at
-the actor's top-k ids for every row, which the loss forward does not produce; fusing would save
-one forward of the first mini-batch only.
+When the first mini-batch's forward runs with the parameters that generated the rollout (always:
+it is the first optimizer step of the batch), it doubles as the dense recompute of its rows
+(DESIGN 3.6): ``logp_old`` is its own stop-gradient log-prob and the mismatch statistics of those
+rows come out of the same forward, so only the other rows need a separate recompute pass. With
+one mini-batch (the paper's setting) the recompute pass disappears.
 """
 
 from __future__ import annotations
@@ -23,10 +24,13 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import grpo_loss
-from sparrow_jax.rl.recompute import gather_rows, plan_micro_batches, response_logprobs, round_up
+from sparrow_jax.rl.recompute import (DenseStats, fill_rows, gather_rows, plan_micro_batches,
+                                     response_hidden, response_tokens, round_up,
+                                     stats_from_hidden)
 
 TRAINABLE = nnx.All(nnx.Param, nnx.Not(LoRAParam))
 
@@ -44,6 +48,7 @@ class UpdateBatch(NamedTuple):
     logp_old: np.ndarray          # [S, R] float32: dense recompute
     logp_sparse: np.ndarray       # [S, R] float32: the rollout's
     advantages: np.ndarray        # [S] float32
+    actor_topk_ids: np.ndarray | None = None  # [S, R, k] int32: for a fused recompute
 
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
@@ -71,21 +76,31 @@ def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "response_capacity", "temperature", "loss_config", "chunk_size"))
+    "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k"))
 def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old, logp_sparse,
-                 advantages, num_tokens, *, response_capacity, temperature, loss_config,
-                 chunk_size):
+                 advantages, actor_topk_ids, num_tokens, *, response_capacity, temperature,
+                 loss_config, chunk_size, fused_top_k):
+    """Gradient of one micro-batch's share of the mini-batch loss. With ``fused_top_k`` the
+    parameters are those of the rollout policy, so this forward is also the dense recompute:
+    ``logp_old`` is taken from it (stop-gradient) and the rows' :class:`DenseStats` returned."""
     def loss_fn(p):
         model = nnx.merge(graphdef, p, rest)
-        logp, entropy = response_logprobs(model, tokens, prompt_lengths, response_capacity,
-                                          temperature, chunk_size=chunk_size)
-        loss, metrics = grpo_loss(logp, logp_old, logp_sparse, advantages, mask, num_tokens,
+        h = response_hidden(model, tokens, prompt_lengths, response_capacity)
+        ids = response_tokens(tokens, prompt_lengths, response_capacity)
+        out = head_outputs(h, model.head_weight(), ids, temperature=temperature, entropy=True,
+                           chunk_size=chunk_size)
+        stats, old = None, logp_old
+        if fused_top_k:
+            stats = stats_from_hidden(h, model.head_weight(), ids, actor_topk_ids, temperature,
+                                      fused_top_k, chunk_size)
+            old = stats.logprobs
+        loss, metrics = grpo_loss(out.logprobs, old, logp_sparse, advantages, mask, num_tokens,
                                   loss_config)
-        metrics["update_entropy"] = jnp.sum(entropy * mask) / num_tokens
-        return loss, metrics
+        metrics["update_entropy"] = jnp.sum(out.entropy * mask) / num_tokens
+        return loss, (metrics, stats)
 
-    (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
-    return grads, dict(metrics, loss=loss)
+    (loss, (metrics, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    return grads, dict(metrics, loss=loss), stats
 
 
 @jax.jit
@@ -94,18 +109,27 @@ def _add(a, b):
 
 
 def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.ndarray,
-                         config: UpdateConfig, temperature: float) -> tuple[Any, dict[str, float]]:
+                         config: UpdateConfig, temperature: float, *,
+                         fused: DenseStats | None = None) -> tuple[Any, dict[str, float]]:
     """Gradient of the mini-batch loss over ``rows`` (token-mean over all their response
     tokens), accumulated over length-bucketed micro-batches of ``config.micro_batch_size``.
     Returns (grads like ``params``, metrics: loss, clip fractions, the current policy's
-    entropy, ...)."""
+    entropy, ...).
+
+    ``fused``: host stats to fill for ``rows`` (their dense recompute, done by this forward;
+    ``batch.logp_old`` is then ignored on these rows and needs ``batch.actor_topk_ids``).
+    """
     rows = np.asarray(rows)
     num_tokens = int(batch.response_lengths[rows].sum())
     if num_tokens == 0:
         raise ValueError("mini-batch holds no response token")
+    if fused is not None and batch.actor_topk_ids is None:
+        raise ValueError("a fused recompute needs the rollout's actor_topk_ids in the batch")
     total = batch.prompt_lengths + batch.response_lengths
     r_cap = batch.logp_old.shape[1]
     mask_all = np.arange(r_cap)[None, :] < batch.response_lengths[:, None]
+    actor = (batch.actor_topk_ids if fused is not None
+             else np.zeros(batch.logp_old.shape + (1,), np.int32))
     grads, sums = None, {}
     for micro in plan_micro_batches(rows, total, config.micro_batch_size):
         t_len = round_up(total[micro].max(), config.length_multiple)
@@ -113,11 +137,15 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
         mb = gather_rows(micro, config.micro_batch_size, {
             "tokens": batch.tokens, "prompt_lengths": batch.prompt_lengths, "mask": mask_all,
             "logp_old": batch.logp_old, "logp_sparse": batch.logp_sparse,
-            "advantages": batch.advantages}, t_len, r_len)
-        g, m = _micro_grads(graphdef, params, rest, *(jnp.asarray(mb[k]) for k in (
-            "tokens", "prompt_lengths", "mask", "logp_old", "logp_sparse", "advantages")),
-            jnp.float32(num_tokens), response_capacity=r_len, temperature=float(temperature),
-            loss_config=config.loss, chunk_size=config.chunk_size)
+            "advantages": batch.advantages, "actor": actor}, t_len, r_len)
+        g, m, stats = _micro_grads(graphdef, params, rest, *(jnp.asarray(mb[k]) for k in (
+            "tokens", "prompt_lengths", "mask", "logp_old", "logp_sparse", "advantages",
+            "actor")), jnp.float32(num_tokens), response_capacity=r_len,
+            temperature=float(temperature), loss_config=config.loss,
+            chunk_size=config.chunk_size,
+            fused_top_k=0 if fused is None else fused.topk_ids.shape[2])
+        if fused is not None:
+            fill_rows(fused, micro, stats, batch.response_lengths)
         grads = g if grads is None else _add(grads, g)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
@@ -145,22 +173,38 @@ class PolicyUpdater:
     def init(self, model) -> Any:
         return self.optimizer.init(split_model(model)[1])
 
-    def update(self, model, opt_state, batch: UpdateBatch, key: jax.Array, temperature: float,
-               step: int) -> tuple[Any, dict[str, float]]:
-        """Runs the epochs x mini-batches of one rollout batch; returns (opt_state, metrics
-        averaged over the optimizer steps). Raises :class:`NonFiniteError` naming ``step``
-        before applying an update whose loss or gradient is not finite."""
+    def plan(self, key: jax.Array, num_rows: int) -> list[list[np.ndarray]]:
+        """Rows of each mini-batch of each epoch: a fresh random permutation per epoch, cut in
+        ``mini_batches`` equal parts."""
         cfg = self.config
-        s = batch.tokens.shape[0]
-        if s % cfg.mini_batches:
-            raise ValueError(f"{s} rows do not split into {cfg.mini_batches} mini-batches")
+        if num_rows % cfg.mini_batches:
+            raise ValueError(f"{num_rows} rows do not split into {cfg.mini_batches} "
+                             "mini-batches")
+        return [np.split(np.asarray(jax.random.permutation(k, num_rows)), cfg.mini_batches)
+                for k in jax.random.split(key, cfg.epochs)]
+
+    def update(self, model, opt_state, batch: UpdateBatch, plan: list[list[np.ndarray]],
+               temperature: float, step: int, *, fused: DenseStats | None = None
+               ) -> tuple[Any, dict[str, float]]:
+        """Runs the optimizer steps of ``plan`` (from :meth:`plan`) on one rollout batch;
+        returns (opt_state, metrics averaged over the optimizer steps).
+
+        ``fused``: host stats whose rows of the first mini-batch (``plan[0][0]``) this update
+        fills, recomputing them in that mini-batch's forward (same parameters as the rollout
+        policy); ``batch.logp_old`` gets those rows' values for the later optimizer steps.
+        Raises :class:`NonFiniteError` naming ``step`` before applying an update whose loss or
+        gradient is not finite.
+        """
         graphdef, params, rest = split_model(model)
         history: list[dict[str, float]] = []
-        for epoch, k in enumerate(jax.random.split(key, cfg.epochs)):
-            order = np.asarray(jax.random.permutation(k, s))
-            for i, rows in enumerate(np.split(order, cfg.mini_batches)):
-                grads, metrics = mini_batch_gradients(graphdef, params, rest, batch, rows, cfg,
-                                                      temperature)
+        for epoch, mini_batches in enumerate(plan):
+            for i, rows in enumerate(mini_batches):
+                first = fused is not None and epoch == 0 and i == 0
+                grads, metrics = mini_batch_gradients(graphdef, params, rest, batch, rows,
+                                                      self.config, temperature,
+                                                      fused=fused if first else None)
+                if first:
+                    batch.logp_old[rows] = fused.logprobs[rows]
                 norm = float(_global_norm(grads))
                 if not (math.isfinite(metrics["loss"]) and math.isfinite(norm)):
                     raise NonFiniteError(
