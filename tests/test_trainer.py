@@ -212,3 +212,20 @@ def test_recompute_matches_full_logits_reference():
 def test_training_rejects_truncated_sampling(tmp_path, over):
     with pytest.raises(ConfigError, match="temperature only"):
         from_dict(TrainConfig, _config(tmp_path, rollout=over))
+
+
+def test_yaml_config_round_trip(tmp_path):
+    import yaml
+
+    from sparrow_jax.rl.config import load_train_config
+
+    data = _config(tmp_path)
+    (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
+    cfg = load_train_config(tmp_path / "c.yaml")
+    assert cfg == from_dict(TrainConfig, data)
+    assert cfg.update.loss.tis_cap == 3.0 and cfg.optim.weight_decay == 0.01  # DESIGN defaults
+    (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**data, "update": {"micro_batch": 2}}))
+    with pytest.raises(ConfigError, match="unknown keys \\['micro_batch'\\]"):
+        load_train_config(tmp_path / "bad.yaml")
+    with pytest.raises(ConfigError, match="mini-batches"):
+        from_dict(TrainConfig, _config(tmp_path, update={"mini_batches": 3}))

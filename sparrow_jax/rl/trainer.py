@@ -145,13 +145,12 @@ class Trainer:
         self.rollout_fn = rollout_fn or engine_rollout_fn(config, self.schedule)
         self.reward_fn = get_reward(config.reward)
         tokenizer = None
-        if config.data.task is None or config.reward in ("math", "exact_match"):
-            if config.model.path is None:
-                raise ConfigError("file prompts and text rewards need a model `path` with a "
-                                  "tokenizer")
+        if config.model.path is not None and (Path(config.model.path) / "tokenizer.json").exists():
             from sparrow_jax.models.tokenizer import load_tokenizer
 
             tokenizer = load_tokenizer(config.model.path)
+        if config.data.task is None and tokenizer is None:
+            raise ConfigError("prompt files need a model `path` holding tokenizer.json")
         self.reward_context = dict(config.reward_options, tokenizer=tokenizer,
                                    eos_ids=tuple(self.model_config.eos_token_ids))
         self.train_set, self.eval_set = build_prompt_sets(config.data, tokenizer)
