@@ -20,7 +20,7 @@ from sparrow_jax.config import ConfigError, from_dict
 from sparrow_jax.data import DataConfig
 from sparrow_jax.rl.losses import LossConfig
 
-DTYPES = ("float32", "bfloat16")
+DTYPES = ("auto", "float32", "bfloat16")
 
 
 def _positive(obj, *names):
@@ -40,8 +40,8 @@ class ModelSpec:
     preset: str | None = None
     hf_config: dict[str, Any] | None = None
     seed: int = 0
-    dtype: str = "float32"       # compute dtype; master weights are always float32
-    remat: bool = False
+    dtype: str = "auto"          # compute dtype (auto: bfloat16 on an accelerator, float32 on
+    #                              CPU); master weights are always float32 (DESIGN 3.0)
 
     def __post_init__(self):
         given = [k for k in ("path", "preset", "hf_config") if getattr(self, k) is not None]
@@ -114,6 +114,7 @@ class UpdateConfig:
     length_multiple: int = 64      # micro-batch lengths round up to this (bounds recompiles)
     chunk_size: int = 1024         # LM-head positions per chunk
     fuse_recompute: bool = True    # the first mini-batch's forward is its rows' dense recompute
+    remat: bool = True             # rematerialise layers in the update's backward (DESIGN 3.0)
     loss: LossConfig = LossConfig()
 
     def __post_init__(self):

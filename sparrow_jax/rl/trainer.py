@@ -38,17 +38,20 @@ RolloutFn = Callable[[Any, list[list[int]], jax.Array, int], Rollout]
 # ------------------------------------------------------------------------------ building blocks
 def load_policy(spec: ModelSpec):
     """-> (model with float32 master weights, ModelConfig)."""
-    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[spec.dtype]
+    name = spec.dtype
+    if name == "auto":
+        name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    dtype = {"float32": jnp.float32, "bfloat16": jnp.bfloat16}[name]
     if spec.path is not None:
         from sparrow_jax.models.hf_io import load_qwen3
 
-        return load_qwen3(spec.path, dtype=dtype, param_dtype=jnp.float32, remat=spec.remat)
+        return load_qwen3(spec.path, dtype=dtype, param_dtype=jnp.float32)
     from sparrow_jax.config import ModelConfig
     from sparrow_jax.models.qwen3 import init_model
 
     cfg = (ModelConfig.preset(spec.preset) if spec.preset is not None
            else ModelConfig.from_hf_dict(spec.hf_config))
-    return init_model(cfg, seed=spec.seed, dtype=dtype, remat=spec.remat), cfg
+    return init_model(cfg, seed=spec.seed, dtype=dtype), cfg
 
 
 def build_schedule(spec: dict[str, Any] | None):

@@ -76,15 +76,14 @@ def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k"))
+    "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k", "remat"))
 def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old, logp_sparse,
                  advantages, actor_topk_ids, num_tokens, *, response_capacity, temperature,
-                 loss_config, chunk_size, fused_top_k):
+                 loss_config, chunk_size, fused_top_k, remat):
     """Gradient of one micro-batch's share of the mini-batch loss. With ``fused_top_k`` the
     parameters are those of the rollout policy, so this forward is also the dense recompute:
     ``logp_old`` is taken from it (stop-gradient) and the rows' :class:`DenseStats` returned."""
-    def loss_fn(p):
-        model = nnx.merge(graphdef, p, rest)
+    def loss_fn(model):
         h = response_hidden(model, tokens, prompt_lengths, response_capacity)
         ids = response_tokens(tokens, prompt_lengths, response_capacity)
         out = head_outputs(h, model.head_weight(), ids, temperature=temperature, entropy=True,
@@ -99,7 +98,12 @@ def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old,
         metrics["update_entropy"] = jnp.sum(out.entropy * mask) / num_tokens
         return loss, (metrics, stats)
 
-    (loss, (metrics, stats)), grads = jax.value_and_grad(loss_fn, has_aux=True)(params)
+    model = nnx.merge(graphdef, params, rest)
+    # Remat only on this merged copy: the rollout and recompute forwards keep none. NNX's own
+    # grad, so that the model's nnx.remat sees its variables at the trace level it expects.
+    model.remat = remat
+    (loss, (metrics, stats)), grads = nnx.value_and_grad(
+        loss_fn, argnums=nnx.DiffState(0, TRAINABLE), has_aux=True)(model)
     return grads, dict(metrics, loss=loss), stats
 
 
@@ -143,7 +147,7 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
             "actor")), jnp.float32(num_tokens), response_capacity=r_len,
             temperature=float(temperature), loss_config=config.loss,
             chunk_size=config.chunk_size,
-            fused_top_k=0 if fused is None else fused.topk_ids.shape[2])
+            fused_top_k=0 if fused is None else fused.topk_ids.shape[2], remat=config.remat)
         if fused is not None:
             fill_rows(fused, micro, stats, batch.response_lengths)
         grads = g if grads is None else _add(grads, g)
