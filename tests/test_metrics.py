@@ -1,7 +1,6 @@
 """Metrics: JSONL/TensorBoard writer with resume truncation, plots, and the trainer's mismatch
 metrics against a float64 NumPy reference."""
 
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
