@@ -1,6 +1,5 @@
 """Prefill + decode steps through the paged cache against the model's full dense forward."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -50,10 +49,12 @@ def _full_logits(model, seqs):
     return np.asarray(model(jnp.asarray(toks)), np.float64)
 
 
-def _prefill_and_fork(model, prompt_lengths, n, max_new, *, chunk_size, seed=0, pool=200):
-    alloc = PageAllocator(pool, P, seed=seed).allocate(prompt_lengths, n, max_new)
+def _prefill_and_fork(model, prompt_lengths, n, max_new, *, chunk_size, seed=0, pool=200,
+                      page_size=P):
+    alloc = PageAllocator(pool, page_size, seed=seed).allocate(prompt_lengths, n, max_new)
     toks = _prompts(prompt_lengths, seed)
-    cache = init_cache(model.config, pool, alloc.prefill_page_table, page_size=P, dtype=jnp.float32)
+    cache = init_cache(model.config, pool, alloc.prefill_page_table, page_size=page_size,
+                       dtype=jnp.float32)
     hidden, cache = prefill_jit(model, cache, jnp.asarray(toks), jnp.asarray(alloc.prompt_lengths),
                                 chunk_size=chunk_size)
     cache = fork(cache, alloc.page_table, alloc.prompt_index, alloc.copy_src, alloc.copy_dst)
@@ -90,6 +91,27 @@ def test_prefill_and_decode_match_full_forward_with_shared_prompts(tiny):
     ref = ref - np.log(np.exp(ref - ref.max(-1, keepdims=True)).sum(-1, keepdims=True)) \
         - ref.max(-1, keepdims=True)
     np.testing.assert_allclose(lp, ref, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("page_size,chunk", [(8, 16), (16, 16), (16, None)])
+def test_longer_sequences_match_full_forward(tiny, page_size, chunk):
+    lengths, n, steps = [37, 32, 17], 2, 20
+    alloc, cache, hidden, seqs = _prefill_and_fork(tiny, lengths, n, steps, chunk_size=chunk,
+                                                   page_size=page_size, seed=9)
+    logits = [np.asarray(next_token_logits(tiny, hidden))]
+    rng = np.random.default_rng(10)
+    for _ in range(steps):
+        tokens = rng.integers(1, TINY.vocab_size, len(seqs)).astype(np.int32)
+        for s, t in zip(seqs, tokens):
+            s.append(t)
+        hidden, cache = decode_step_jit(tiny, cache, jnp.asarray(tokens))
+        logits.append(np.asarray(next_token_logits(tiny, hidden)))
+    full = _full_logits(tiny, seqs)
+    for row, s in enumerate(seqs):
+        start = len(s) - steps - 1
+        got = np.stack([lg[row] for lg in logits])
+        assert max_rel_err(got, full[row, start:start + steps + 1]) < 1e-5, row
 
 
 def test_chunked_prefill_equals_one_shot(model):

@@ -190,6 +190,12 @@ def test_inactive_rows_and_padding_write_nothing():
     cache = append_token(cache, 0, jnp.full((2, 2, 8), 2.0), jnp.full((2, 2, 8), 2.0),
                          jnp.asarray([3, 5], jnp.int32), jnp.asarray([False, False]))
     assert float(cache.k_pages.max()) == 1.0 and float(cache.v_pages.max()) == 1.0
+    # Past the page table (3 pages of 4 here): dropped, not wrapped onto the last page.
+    sums = np.asarray(cache.partial_sum)
+    cache = append_token(cache, 0, jnp.full((2, 2, 8), 3.0), jnp.full((2, 2, 8), 3.0),
+                         jnp.asarray([12, 13], jnp.int32), jnp.asarray([True, True]))
+    assert float(cache.k_pages.max()) == 1.0
+    np.testing.assert_array_equal(np.asarray(cache.partial_sum), sums)
 
 
 def test_fork_copies_the_partial_page_and_accumulators():

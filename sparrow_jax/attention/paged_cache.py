@@ -104,11 +104,12 @@ def init_cache(config: ModelConfig, num_pages: int, page_table, *, page_size: in
 def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, pos: jax.Array,
                  write: jax.Array) -> PagedKVCache:
     """Writes one token per row for ``layer``: k, v ``[B, H, D]`` at positions ``pos [B]``
-    where ``write [B]`` (bool), and updates the partial-page accumulators; a page's summaries
+    where ``write [B]`` (bool) and the position lies inside the page table, and updates the partial-page accumulators; a page's summaries
     are written when its last slot is. ``lengths`` is the caller's to advance."""
     p, n = cache.page_size, cache.num_pages
-    logical = jnp.minimum(pos // p, cache.max_pages_per_seq - 1)
-    page = jnp.take_along_axis(cache.page_table, logical[:, None], axis=1)[:, 0]
+    logical = pos // p
+    write = write & (logical < cache.max_pages_per_seq)   # past the table: nowhere to write
+    page = jnp.take_along_axis(cache.page_table, logical[:, None], axis=1, mode="clip")[:, 0]
     page = jnp.where(write, page, n)                 # dropped below
     slot = pos % p
     heads = jnp.arange(k.shape[1])[:, None]          # [H, 1] against [1, B] indices
