@@ -1,0 +1,368 @@
+"""Paged top-k sparse decode as Pallas kernels (Triton lowering on GPU, interpret mode on CPU).
+
+One decode step of DESIGN 3.2 for one layer, in three kernels and a small combine:
+
+1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores ``qbar . centroid`` of the pages
+   that may be chosen (``1 .. n-3``), turned into int32 keys whose signed order is the order of
+   the scores (ineligible slots get the smallest key). Reads one key-sized vector per page.
+2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
+   threshold search (31 counting passes over the row held on chip, no sort), ties to the lower
+   page index by a second bitwise search over slot indices, plus the reserved pages; the chosen
+   slots are compacted in page order (a prefix sum) into a page list.
+3. ``_attend_kernel``, grid ``(B, Hkv, S)``: online-softmax attention of all query heads of the
+   group over the listed pages, the list split S ways (flash-decoding) so that small batches
+   still fill the GPU; each split loops only over its share of its own row's list, so the cost
+   follows each sequence's budget. The S partial results are merged in XLA.
+
+Shapes inside the kernels are powers of two (Triton's rule): the page table is padded to
+``Mpad`` slots, the query heads of a group to ``Rpad >= 16`` rows (the matrix units' minimum; so
+any group size, e.g. 5, works), the page list to ``Kpad`` entries.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+RESERVED = 3           # page 0 and the last two pages (DESIGN 3.2)
+_INT_MIN = -(2 ** 31)
+# Finite, so that a fully masked block cannot turn the running max into NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def _pow2(x: int) -> int:
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def _order_key(score: jax.Array) -> jax.Array:
+    """float32 -> int32 with the same order (signed compare); -0.0 and 0.0 map alike."""
+    bits = lax.bitcast_convert_type(score + 0.0, jnp.int32)
+    # Negative floats order backwards in their magnitude bits: flip those bits.
+    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
+
+
+def _score_kernel(qbar_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk):
+    """qbar ``[D]`` f32, centroids ``[N, D]`` (this KV head), table ``[C]`` (this chunk of
+    slots), length ``[1]`` -> keys ``[C]`` int32."""
+    c = pl.program_id(2)
+    n = (len_ref[0] + page_size - 1) // page_size
+    slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    eligible = (slot >= 1) & (slot < n - 2)
+    # Ineligible slots read page 0's centroid (one cached row) instead of a stray one.
+    phys = jnp.where(eligible, table_ref[...], 0)
+    cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
+    # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
+    score = jnp.sum(cent * qbar_ref[...][None, :], axis=1)
+    key_ref[...] = jnp.where(eligible, _order_key(score), _INT_MIN)
+
+
+def _count(mask: jax.Array) -> jax.Array:
+    return jnp.sum(mask.astype(jnp.int32))
+
+
+def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
+                   page_size, max_pages, slot_bits):
+    """keys ``[Mpad]``, table ``[Mpad]``, length, budget -> page list (physical ``[Kpad]`` and
+    logical ``[Kpad]``, entries past the count repeat the last page) and the count ``[1]``."""
+    mpad = key_ref.shape[0]
+    kpad = phys_ref.shape[0] // 2
+    keys = key_ref[...]
+    idx = lax.broadcasted_iota(jnp.int32, (mpad,), 0)
+    n = (len_ref[0] + page_size - 1) // page_size
+    budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
+    k = budget - RESERVED
+
+    # Largest T with #(keys >= T) >= k, built bit by bit from the sign bit down. Ineligible keys
+    # are INT_MIN and every candidate is larger, so they are never counted; k = 0 gives T =
+    # INT_MAX and chooses nothing.
+    t0 = jnp.where(_count(keys >= 0) >= k, 0, _INT_MIN).astype(jnp.int32)
+
+    def bit_step(i, t):
+        cand = t | lax.shift_left(jnp.int32(1), 30 - i)
+        return jnp.where(_count(keys >= cand) >= k, cand, t)
+
+    t = lax.fori_loop(0, 31, bit_step, t0)
+    above = keys > t
+    need = k - _count(above)                     # how many keys equal to t to take, >= 0
+    equal = keys == t
+
+    # Ties: take the `need` lowest slots among the equal keys. Usually exactly `need` keys equal
+    # t and the search is skipped.
+    def lowest_equal():
+        def idx_step(i, j):
+            cand = j + lax.shift_left(jnp.int32(1), slot_bits - 1 - i)
+            return jnp.where(_count(equal & (idx < cand)) < need, cand, j)
+        return lax.fori_loop(0, slot_bits, idx_step, jnp.int32(0))
+
+    last_equal = lax.cond(_count(equal) == need, lambda: jnp.int32(mpad), lowest_equal)
+    chosen = above | (equal & (idx <= last_equal) & (need > 0))
+    reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
+    sel = jnp.where(n <= budget, idx < n, reserved | chosen)
+
+    # Compact in page order: chosen slots go to ranks 0 .. total-1, the others after them and
+    # carry the last page, so entries past the count repeat it (the attention kernel reads whole
+    # blocks of entries; a repeated page comes from cache, not memory). Ranks are distinct; those
+    # past the list go to the junk half of the buffer with their stores masked off.
+    table = table_ref[...]
+    sel_i = sel.astype(jnp.int32)
+    total = jnp.sum(sel_i)
+    rank = jnp.where(sel, jnp.cumsum(sel_i) - 1, total + jnp.cumsum(1 - sel_i) - 1)
+    last = jnp.maximum(n - 1, 0)
+    last_phys = jnp.sum(jnp.where(idx == last, table, 0))
+    keep = rank < kpad
+    dest = jnp.where(keep, rank, kpad)
+    plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
+    plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
+    count_ref[...] = jnp.full((1,), total, jnp.int32)
+
+
+def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
+                   o_ref, m_ref, l_ref, *, page_size, block_pages, splits, scale):
+    """q ``[Rpad, D]``, pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` -> this split's
+    unnormalised output ``[Rpad, D]`` f32, running max and sum ``[Rpad]``."""
+    s = pl.program_id(2)
+    rpad, d = q_ref.shape
+    block_k = block_pages * page_size
+    count = count_ref[0]
+    length = len_ref[0]
+    blocks = (count + block_pages - 1) // block_pages
+    per_split = (blocks + splits - 1) // splits
+    start = s * per_split
+    stop = jnp.minimum(start + per_split, blocks)
+    q = q_ref[...]
+    cdt = jnp.promote_types(q.dtype, k_ref.dtype)
+    q = q.astype(cdt)
+    tok = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 1)
+    entry = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 0)
+
+    def body(i, carry):
+        o, m, l = carry
+        sl = pl.ds(i * block_pages, block_pages)
+        phys = phys_ref[sl]
+        slot = slot_ref[sl]
+        k = k_ref[phys].reshape(block_k, d).astype(cdt)
+        v = v_ref[phys].reshape(block_k, d).astype(cdt)
+        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale                      # [Rpad, block_k] f32
+        ok = ((i * block_pages + entry < count)
+              & (slot[:, None] * page_size + tok < length)).reshape(1, block_k)
+        logits = jnp.where(ok, logits, _MASK_VALUE)
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[:, None])
+        l_new = corr * l + jnp.sum(p, axis=1)
+        o_new = corr[:, None] * o + plgpu.dot(p.astype(cdt), v, allow_tf32=False)
+        return o_new, m_new, l_new
+
+    init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rpad,), jnp.float32))
+    o, m, l = lax.fori_loop(start, stop, body, init)
+    o_ref[...] = o
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
+                centroids, max_budget_pages):
+    if scorer != "centroid":
+        raise ValueError(f"sparse_decode_pallas supports scorer='centroid' only, got {scorer!r}")
+    if q.ndim != 3:
+        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
+    b, hq, d = q.shape
+    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
+        raise ValueError("k_pages and v_pages must both be [kv_heads, pages_total, page_size, "
+                         f"head_dim], got {k_pages.shape} and {v_pages.shape}")
+    hkv, n_total, p, dk = k_pages.shape
+    if p != page_size:
+        raise ValueError(f"k_pages hold pages of {p} tokens but page_size={page_size}")
+    if p & (p - 1) or d & (d - 1):
+        raise ValueError(f"page_size ({p}) and head_dim ({d}) must be powers of two (Triton "
+                         "block shapes)")
+    if dk != d:
+        raise ValueError(f"q head_dim {d} != k_pages head_dim {dk}")
+    if hq % hkv:
+        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
+    if page_table.ndim != 2 or page_table.shape[0] != b:
+        raise ValueError(f"page_table must be [batch={b}, max_pages], got {page_table.shape}")
+    for name, x in (("lengths", lengths), ("budget_pages", budget_pages)):
+        if x.shape != (b,):
+            raise ValueError(f"{name} must be [batch={b}], got shape {x.shape}")
+    for name, x in (("page_table", page_table), ("lengths", lengths),
+                    ("budget_pages", budget_pages)):
+        if not jnp.issubdtype(x.dtype, jnp.integer):
+            raise ValueError(f"{name} must be integer, got {x.dtype}")
+    if centroids is not None and centroids.shape != (hkv, n_total, d):
+        raise ValueError(f"centroids must be [kv_heads, pages_total, head_dim] = "
+                         f"{(hkv, n_total, d)}, got {centroids.shape}")
+    m = page_table.shape[1]
+    if max_budget_pages is not None and not RESERVED <= max_budget_pages <= m:
+        raise ValueError(f"max_budget_pages must be in [{RESERVED}, page_table width {m}], got "
+                         f"{max_budget_pages}")
+
+
+def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
+    """Splits of each page list: enough programs to fill ~4 waves of 132 SMs, at most one
+    block of pages per split."""
+    blocks = -(-max_pages // block_pages)
+    return int(max(1, min(blocks, _pow2(-(-528 // (batch * kv_heads))))))
+
+
+def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                         page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
+                         page_size: int = 16, scorer: str = "centroid",
+                         centroids: jax.Array | None = None,
+                         max_budget_pages: int | None = None, block_pages: int = 8,
+                         splits: int | None = None, score_chunk: int = 64,
+                         num_warps: int = 4, num_stages: int = 2,
+                         interpret: bool = False) -> jax.Array:
+    """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
+
+    Args:
+      q: ``[B, Hq, D]`` queries after q-norm and RoPE.
+      k_pages, v_pages: ``[Hkv, N, P, D]`` one layer's paged cache, current token written.
+      page_table: ``[B, M]`` int32 physical page of each sequence's j-th page.
+      lengths: ``[B]`` int32 tokens in the cache, current token included (>= 1; a row of 0
+        returns zeros).
+      budget_pages: ``[B]`` int32 pages per (sequence, KV head), the 3 reserved included;
+        clipped to ``[3, max_budget_pages]``.
+      page_size: P, a power of two.
+      scorer: ``"centroid"`` only.
+      centroids: ``[Hkv, N, D]`` page means of the keys in the cache dtype; computed from the
+        pages when None (as the cache would store them).
+      max_budget_pages: static size of the page lists; default M.
+      block_pages: pages per step of the attention loop (a power of two).
+      splits: parts of each page list run in parallel; default :func:`default_splits`.
+      score_chunk: page slots per program of the scoring kernel (a power of two).
+      num_warps, num_stages: Triton settings of the attention kernel.
+      interpret: run the kernels in Pallas' interpreter (CPU tests).
+
+    Returns:
+      ``[B, Hq, D]`` in q's dtype.
+    """
+    _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
+                centroids, max_budget_pages)
+    if centroids is None:
+        centroids = jnp.mean(k_pages.astype(jnp.float32), axis=2).astype(k_pages.dtype)
+    max_pages = max_budget_pages or page_table.shape[1]
+    if splits is None:
+        splits = default_splits(q.shape[0], k_pages.shape[0], max_pages, block_pages)
+    return _sparse_decode(q, k_pages, v_pages, centroids, page_table.astype(jnp.int32),
+                          lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
+                          page_size=page_size, max_pages=max_pages, block_pages=block_pages,
+                          splits=splits, score_chunk=score_chunk, num_warps=num_warps,
+                          num_stages=num_stages, interpret=interpret)
+
+
+def _dims(page_table, max_pages, score_chunk, block_pages):
+    kpad = max(_pow2(max_pages), block_pages)
+    # mpad >= kpad: every list entry below kpad gets a value.
+    mpad = max(_pow2(page_table.shape[1]), score_chunk, kpad)
+    return mpad, kpad
+
+
+def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
+                      score_chunk=64, block_pages=8, interpret=False):
+    """Scoring and selection kernels: q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, page_table
+    ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, Kpad]``,
+    slots ``[B, Hkv, Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each (sequence,
+    KV head) in page order, as physical pages and as slots of the sequence; entries from count
+    on repeat the last page."""
+    b, hq, d = q.shape
+    hkv, n_total = centroids.shape[:2]
+    r = hq // hkv
+    mpad, kpad = _dims(page_table, max_pages, score_chunk, block_pages)
+    table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
+    qbar = jnp.mean(q.reshape(b, hkv, r, d).astype(jnp.float32), axis=2)      # [B, Hkv, D]
+    row = pl.BlockSpec((1,), lambda bi, hi, *_: (bi,))
+
+    keys = pl.pallas_call(
+        functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk),
+        grid=(b, hkv, mpad // score_chunk),
+        in_specs=[pl.BlockSpec((None, None, d), lambda bi, hi, ci: (bi, hi, 0)),
+                  pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
+                  pl.BlockSpec((None, score_chunk), lambda bi, hi, ci: (bi, ci)),
+                  row],
+        out_specs=pl.BlockSpec((None, None, score_chunk), lambda bi, hi, ci: (bi, hi, ci)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="sparse_decode_score",
+    )(qbar, centroids, table, lengths)
+
+    return pl.pallas_call(
+        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
+                          slot_bits=int(math.log2(mpad))),
+        grid=(b, hkv),
+        in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
+                  pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
+                  row, row],
+        out_specs=[pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0)),
+                   pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0)),
+                   pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
+                   jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
+                   jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="sparse_decode_select",
+    )(keys, table, lengths, budget_pages)
+
+
+def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size,
+                      block_pages, splits, num_warps=4, num_stages=2, interpret=False):
+    """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists of
+    :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype."""
+    b, hq, d = q.shape
+    hkv, n_total = k_pages.shape[:2]
+    r = hq // hkv
+    kpad = phys.shape[-1]
+    rpad = max(16, _pow2(r))
+    q_pad = jnp.pad(q.reshape(b, hkv, r, d), ((0, 0), (0, 0), (0, rpad - r), (0, 0)))
+    pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
+    list_spec = pl.BlockSpec((None, None, kpad), lambda bi, hi, si: (bi, hi, 0))
+    o, mx, l = pl.pallas_call(
+        functools.partial(_attend_kernel, page_size=page_size, block_pages=block_pages,
+                          splits=splits, scale=d ** -0.5),
+        grid=(b, hkv, splits),
+        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, si: (bi, hi, 0, 0)),
+                  pages_spec, pages_spec, list_spec, list_spec,
+                  pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
+                  pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
+        out_specs=[pl.BlockSpec((None, None, None, rpad, d),
+                                lambda bi, hi, si: (bi, hi, si, 0, 0)),
+                   pl.BlockSpec((None, None, None, rpad), lambda bi, hi, si: (bi, hi, si, 0)),
+                   pl.BlockSpec((None, None, None, rpad), lambda bi, hi, si: (bi, hi, si, 0))],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rpad, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret, name="sparse_decode_attend",
+    )(q_pad, k_pages, v_pages, phys, slots, count, lengths)
+
+    # Merge the splits: rescale each to the common max. Empty splits have l = 0 and drop out;
+    # a row with no tokens at all (length 0, padding) gets zeros.
+    m_all = jnp.max(mx, axis=2, keepdims=True)
+    w = jnp.exp(mx - m_all)
+    l_all = jnp.sum(w * l, axis=2)
+    o_all = jnp.sum(w[..., None] * o, axis=2)
+    out = jnp.where(l_all[..., None] > 0,
+                    o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
+    return out[:, :, :r].reshape(b, hq, d).astype(q.dtype)
+
+
+@functools.partial(jax.jit, static_argnames=(
+    "page_size", "max_pages", "block_pages", "splits", "score_chunk", "num_warps", "num_stages",
+    "interpret"))
+def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
+                   page_size, max_pages, block_pages, splits, score_chunk, num_warps,
+                   num_stages, interpret):
+    phys, slots, count = select_page_lists(
+        q, centroids, page_table, lengths, budget_pages, page_size=page_size,
+        max_pages=max_pages, score_chunk=score_chunk, block_pages=block_pages,
+        interpret=interpret)
+    return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
+                             page_size=page_size, block_pages=block_pages, splits=splits,
+                             num_warps=num_warps, num_stages=num_stages, interpret=interpret)

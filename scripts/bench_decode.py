@@ -1,0 +1,274 @@
+"""Sparse decode benchmark (one layer, bf16, GQA 32/8, head_dim 128, page 16), checked and timed
+in one run on the GPU:
+
+* ``dense_xla_contiguous``: XLA attention on a contiguous cache (dense baseline 1);
+* ``dense_pallas_paged``: JAX's Pallas GPU paged attention (dense baseline 2);
+* ``composition``: XLA centroid scores + ``lax.top_k`` + JAX's Pallas paged attention on the
+  chosen pages (the off-the-shelf pieces);
+* ``xla_reference``: ``sparrow_jax.attention.sparse.sparse_decode(impl="reference")``;
+* ``kernel``: ``pallas_kernels.sparse_decode_gpu.sparse_decode_pallas``;
+
+plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array) and the bytes
+each must move. Every sequence is at the full context, pages scattered in the pool. Each timing
+runs ``--chain`` calls in one jitted loop whose next query is the previous output (XLA can
+neither merge nor skip them), after warm-up; the median of ``--repeats`` runs, per call. Each
+sparse output is checked against the XLA reference (float32 math) before it is timed.
+
+    PYTHONPATH=. python3 scripts/bench_decode.py --out $OUT/bench_decode.json
+
+Needs only jax and numpy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import statistics
+import sys
+import time
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+from pallas_kernels.sparse_decode_gpu import sparse_decode_pallas
+from sparrow_jax.attention.paged_dense import paged_attention_pallas
+from sparrow_jax.attention.sparse import sparse_decode
+
+HQ, HKV, D, P = 32, 8, 128, 16
+
+
+def contiguous_attention(q, k, v, lengths):
+    """Dense decode on a contiguous cache: q ``[B, Hq, D]``, k/v ``[B, H, S, D]``."""
+    b, hq, d = q.shape
+    h = k.shape[1]
+    qg = q.reshape(b, h, hq // h, d)
+    s = jnp.einsum("bhrd,bhsd->bhrs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
+    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
+    s = jnp.where(valid[:, None, None, :], s, -1e30)
+    w = jax.nn.softmax(s, axis=-1)
+    out = jnp.einsum("bhrs,bhsd->bhrd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
+    return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, interpret=False):
+    """Off-the-shelf pieces, for rows longer than the budget: XLA scores, ``lax.top_k`` of the
+    eligible pages, the reserved pages, then JAX's Pallas paged attention with one "sequence" per
+    (row, KV head) over its chosen pages in page order (so only the last one is partial)."""
+    b, hq, d = q.shape
+    h, n_total = k_pages.shape[:2]
+    r = hq // h
+    m = table.shape[1]
+    qbar = jnp.mean(q.reshape(b, h, r, d).astype(jnp.float32), axis=2)
+    cent = jnp.take(centroids, table, axis=1).astype(jnp.float32)            # [H, B, M, D]
+    scores = jnp.einsum("bhd,hbmd->bhm", qbar, cent)
+    n = (lengths + P - 1) // P
+    j = jnp.arange(m)
+    eligible = (j >= 1)[None, :] & (j[None, :] < (n - 2)[:, None])
+    scores = jnp.where(eligible[:, None, :], scores, -jnp.inf)
+    _, top = lax.top_k(scores, budget - 3)                                    # [B, H, K-3]
+    fixed = jnp.stack([jnp.zeros_like(n), n - 2, n - 1], -1)[:, None, :]
+    chosen = jnp.sort(jnp.concatenate([jnp.broadcast_to(fixed, (b, h, 3)), top], -1), -1)
+    phys = jnp.take_along_axis(jnp.broadcast_to(table[:, None, :], (b, h, m)), chosen, -1)
+    phys = phys + (jnp.arange(h) * n_total)[None, :, None]
+    lens = (budget - 1) * P + lengths - (n - 1) * P
+    out = paged_attention_pallas(
+        q.reshape(b * h, r, d), k_pages.reshape(1, h * n_total, P, d),
+        v_pages.reshape(1, h * n_total, P, d), phys.reshape(b * h, budget),
+        jnp.repeat(lens, h), interpret=interpret)
+    return out.reshape(b, hq, d)
+
+
+def chained(fn, chain):
+    @jax.jit
+    def run(q, *args):
+        return lax.fori_loop(0, chain, lambda _, x: fn(x, *args), q)
+    return run
+
+
+def timed(run, args, repeats):
+    jax.block_until_ready(run(*args))           # compile + warm-up
+    jax.block_until_ready(run(*args))
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        jax.block_until_ready(run(*args))
+        times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def read_ceiling(repeats=10, small=False):
+    """GB/s of the faster of a sum and a max over a 4 GiB float32 array."""
+    x = jax.random.normal(jax.random.key(0), (1 << (20 if small else 30),), jnp.float32)
+    best = 0.0
+    for red in (jnp.sum, jnp.max):
+        f = jax.jit(red)
+        t = timed(lambda a: f(a), (x,), repeats)
+        best = max(best, x.nbytes / t / 1e9)
+    del x
+    return best
+
+
+def rel_err(got, want):
+    got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+    return float(np.abs(got - want).max() / np.abs(want).max())
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
+    ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
+    ap.add_argument("--budgets", type=int, nargs="+", default=[512, 2048, 4096],
+                    help="budgets in tokens (reserved pages included)")
+    ap.add_argument("--chain", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--skip", nargs="*", default=[], help="implementations not to run")
+    ap.add_argument("--kernel-configs", default="8",
+                    help="kernel variants as block_pages[xsplits][wWARPS], comma separated")
+    ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--interpret", action="store_true",
+                    help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
+    args = ap.parse_args(argv)
+    dev = jax.devices()[0]
+    print(f"backend {jax.default_backend()}, device {dev.device_kind}, jax {jax.__version__}",
+          flush=True)
+    ceiling = read_ceiling(small=args.interpret)
+    print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    variants = []
+    for c in args.kernel_configs.split(","):
+        warps = 4
+        if "w" in c:
+            c, w = c.split("w")
+            warps = int(w)
+        bp, _, sp = c.partition("x")
+        variants.append((int(bp), int(sp) if sp else None, warps))
+    rows = []
+    rng = np.random.default_rng(0)
+    for ctx in args.contexts:
+        for b in args.batches:
+            m = ctx // P
+            n_total = b * m
+            kk, kv, kq, kt = jax.random.split(jax.random.key(ctx * 131 + b), 4)
+            k_pages = jax.random.normal(kk, (HKV, n_total, P, D), jnp.bfloat16)
+            # Page "topics" so that selection is far from uniform, as in real keys.
+            k_pages = (k_pages + 2 * jax.random.normal(kt, (HKV, n_total, 1, D), jnp.bfloat16))
+            v_pages = jax.random.normal(kv, (HKV, n_total, P, D), jnp.bfloat16)
+            centroids = jnp.mean(k_pages.astype(jnp.float32), axis=2).astype(jnp.bfloat16)
+            table = jnp.asarray(rng.permutation(n_total).reshape(b, m).astype(np.int32))
+            lengths = jnp.full((b,), ctx, jnp.int32)
+            q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
+            dense_bytes = 2 * b * ctx * HKV * D * 2
+            cases = {}
+            if "dense_xla_contiguous" not in args.skip:
+                k_cont = jnp.swapaxes(jnp.take(k_pages, table, axis=1), 0, 1).reshape(
+                    b, HKV, ctx, D)
+                v_cont = jnp.swapaxes(jnp.take(v_pages, table, axis=1), 0, 1).reshape(
+                    b, HKV, ctx, D)
+                cases["dense_xla_contiguous"] = (None, contiguous_attention,
+                                                 (q, k_cont, v_cont, lengths), dense_bytes)
+            if "dense_pallas_paged" not in args.skip:
+                cases["dense_pallas_paged"] = (None, functools.partial(
+                    paged_attention_pallas, interpret=args.interpret),
+                                               (q, k_pages, v_pages, table, lengths), dense_bytes)
+            for budget_tokens in args.budgets:
+                kb = budget_tokens // P
+                if kb >= m:
+                    continue
+                budgets = jnp.full((b,), kb, jnp.int32)
+                # Centroids of the eligible pages plus the chosen pages' keys and values.
+                sparse_bytes = b * HKV * ((m - 3) * D * 2 + kb * P * D * 2 * 2)
+                if "composition" not in args.skip:
+                    cases[f"composition@{budget_tokens}"] = (
+                        budget_tokens, functools.partial(composition, budget=kb,
+                                                         interpret=args.interpret),
+                        (q, k_pages, v_pages, centroids, table, lengths), sparse_bytes)
+                if "xla_reference" not in args.skip:
+                    cases[f"xla_reference@{budget_tokens}"] = (
+                        budget_tokens, functools.partial(sparse_decode, page_size=P,
+                                                         impl="reference", max_budget_pages=kb),
+                        (q, k_pages, v_pages, table, lengths, budgets), sparse_bytes)
+                for bp, sp, warps in variants:
+                    name = f"kernel_b{bp}" + (f"_s{sp}" if sp else "") + f"_w{warps}"
+                    fn = functools.partial(
+                        lambda q_, k_, v_, c_, t_, l_, bu_, **kw: sparse_decode_pallas(
+                            q_, k_, v_, t_, l_, bu_, centroids=c_, **kw),
+                        page_size=P, max_budget_pages=kb, block_pages=bp, splits=sp,
+                        num_warps=warps, interpret=args.interpret)
+                    cases[f"{name}@{budget_tokens}"] = (
+                        budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
+                                            budgets), sparse_bytes)
+            refs = {}
+            for name, (bt, fn, fn_args, nbytes) in cases.items():
+                try:
+                    out = jax.block_until_ready(jax.jit(fn)(*fn_args))
+                    err = None
+                    if bt is not None:
+                        if bt not in refs:
+                            # float32 math on the bf16 cache (no float32 copy of it).
+                            refs[bt] = np.asarray(sparse_decode(
+                                q.astype(jnp.float32), k_pages, v_pages, table, lengths,
+                                jnp.full((b,), bt // P, jnp.int32), page_size=P,
+                                impl="reference", centroids=centroids,
+                                max_budget_pages=bt // P))
+                        err = rel_err(out, refs[bt])
+                    t = timed(chained(fn, args.chain), fn_args, args.repeats) / args.chain
+                except Exception as e:  # a variant that fails to build is a result too
+                    msg = f"{type(e).__name__}: {e}"
+                    print(f"{name} ctx={ctx} b={b}: FAILED {msg[:2000]}", flush=True)
+                    rows.append(dict(impl=name, context=ctx, batch=b, error=msg[:2000]))
+                    continue
+                row = dict(impl=name.split("@")[0], budget_tokens=bt, context=ctx, batch=b,
+                           ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
+                           frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
+                rows.append(row)
+                print(json.dumps(row), flush=True)
+            del k_pages, v_pages, cases
+    table_rows = summarize(rows)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=dev.device_kind, jax=jax.__version__,
+                           read_ceiling_gb_s=ceiling, argv=sys.argv[1:], rows=rows), f, indent=1)
+    print(f"\nread ceiling {ceiling:.0f} GB/s; device {dev.device_kind}")
+    print("\n".join(table_rows))
+    return 0
+
+
+def summarize(rows):
+    """A markdown table: per (context, batch, budget), each implementation's ms and the kernel's
+    speedups and fraction of the read ceiling."""
+    ok = [r for r in rows if "ms" in r]
+    dense = {}
+    for r in ok:
+        if r["budget_tokens"] is None:
+            dense.setdefault((r["context"], r["batch"]), {})[r["impl"]] = r["ms"]
+    out = ["| ctx | batch | budget | dense xla / pallas ms | composition ms | xla ref ms | "
+           "kernel ms (best) | x vs dense | x vs comp | % ceiling | rel err |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    keys = sorted({(r["context"], r["batch"], r["budget_tokens"]) for r in ok
+                   if r["budget_tokens"] is not None})
+    for ctx, b, bt in keys:
+        here = {r["impl"]: r for r in ok if (r["context"], r["batch"], r["budget_tokens"])
+                == (ctx, b, bt)}
+        kern = [r for n, r in here.items() if n.startswith("kernel")]
+        if not kern:
+            continue
+        best = min(kern, key=lambda r: r["ms"])
+        d = dense.get((ctx, b), {})
+        dbest = min(d.values()) if d else float("nan")
+        comp = here.get("composition", {}).get("ms", float("nan"))
+        ref = here.get("xla_reference", {}).get("ms", float("nan"))
+        out.append(f"| {ctx} | {b} | {bt} | {d.get('dense_xla_contiguous', float('nan')):.3f} / "
+                   f"{d.get('dense_pallas_paged', float('nan')):.3f} | {comp:.3f} | {ref:.3f} | "
+                   f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
+                   f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
+                   f"{best['rel_err_vs_ref']:.1e} |")
+    return out
+
+
+if __name__ == "__main__":
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        sys.exit(main())
