@@ -36,6 +36,10 @@ _INT_MIN = -(2 ** 31)
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
+# Scalars inside kernels are typed (jnp.int32(0), not 0): the Triton lowering gives a weakly
+# typed constant in jnp.where the predicate's type.
+
+
 def _pow2(x: int) -> int:
     return 1 << max(0, (int(x) - 1).bit_length())
 
@@ -55,11 +59,11 @@ def _score_kernel(qbar_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size,
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
     # Ineligible slots read page 0's centroid (one cached row) instead of a stray one.
-    phys = jnp.where(eligible, table_ref[...], 0)
+    phys = jnp.where(eligible, table_ref[...], jnp.int32(0))
     cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
     score = jnp.sum(cent * qbar_ref[...][None, :], axis=1)
-    key_ref[...] = jnp.where(eligible, _order_key(score), _INT_MIN)
+    key_ref[...] = jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -81,27 +85,21 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     # Largest T with #(keys >= T) >= k, built bit by bit from the sign bit down. Ineligible keys
     # are INT_MIN and every candidate is larger, so they are never counted; k = 0 gives T =
     # INT_MAX and chooses nothing.
-    t0 = jnp.where(_count(keys >= 0) >= k, 0, _INT_MIN).astype(jnp.int32)
-
-    def bit_step(i, t):
-        cand = t | lax.shift_left(jnp.int32(1), 30 - i)
-        return jnp.where(_count(keys >= cand) >= k, cand, t)
-
-    t = lax.fori_loop(0, 31, bit_step, t0)
+    # (Python loops: unrolled, and the Triton lowering mishandles closed-over arrays in loops.)
+    t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
+    for bit in range(30, -1, -1):
+        cand = t | (1 << bit)
+        t = jnp.where(_count(keys >= cand) >= k, cand, t)
     above = keys > t
     need = k - _count(above)                     # how many keys equal to t to take, >= 0
     equal = keys == t
-
-    # Ties: take the `need` lowest slots among the equal keys. Usually exactly `need` keys equal
-    # t and the search is skipped.
-    def lowest_equal():
-        def idx_step(i, j):
-            cand = j + lax.shift_left(jnp.int32(1), slot_bits - 1 - i)
-            return jnp.where(_count(equal & (idx < cand)) < need, cand, j)
-        return lax.fori_loop(0, slot_bits, idx_step, jnp.int32(0))
-
-    last_equal = lax.cond(_count(equal) == need, lambda: jnp.int32(mpad), lowest_equal)
-    chosen = above | (equal & (idx <= last_equal) & (need > 0))
+    # Ties: the `need` lowest slots among the equal keys: the largest j with fewer than `need`
+    # equal keys below it is the last one taken.
+    j = jnp.int32(0)
+    for bit in range(slot_bits - 1, -1, -1):
+        cand = j + (1 << bit)
+        j = jnp.where(_count(equal & (idx < cand)) < need, cand, j)
+    chosen = above | (equal & (idx <= j) & (need > 0))
     reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
     sel = jnp.where(n <= budget, idx < n, reserved | chosen)
 
@@ -114,9 +112,9 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     total = jnp.sum(sel_i)
     rank = jnp.where(sel, jnp.cumsum(sel_i) - 1, total + jnp.cumsum(1 - sel_i) - 1)
     last = jnp.maximum(n - 1, 0)
-    last_phys = jnp.sum(jnp.where(idx == last, table, 0))
+    last_phys = jnp.sum(jnp.where(idx == last, table, jnp.int32(0)))
     keep = rank < kpad
-    dest = jnp.where(keep, rank, kpad)
+    dest = jnp.where(keep, rank, jnp.int32(kpad))
     plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
     plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
     count_ref[...] = jnp.full((1,), total, jnp.int32)
@@ -151,7 +149,7 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
         logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale                      # [Rpad, block_k] f32
         ok = ((i * block_pages + entry < count)
               & (slot[:, None] * page_size + tok < length)).reshape(1, block_k)
-        logits = jnp.where(ok, logits, _MASK_VALUE)
+        logits = jnp.where(ok, logits, jnp.float32(_MASK_VALUE))
         m_new = jnp.maximum(m, jnp.max(logits, axis=1))
         corr = jnp.exp(m - m_new)
         p = jnp.exp(logits - m_new[:, None])
