@@ -51,9 +51,9 @@ def _order_key(score: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _score_kernel(qbar_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk):
-    """qbar ``[D]`` f32, centroids ``[N, D]`` (this KV head), table ``[C]`` (this chunk of
-    slots), length ``[1]`` -> keys ``[C]`` int32."""
+def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
+    """q ``[Rpad, D]`` (the group's heads, zero rows past ``group``), centroids ``[N, D]`` (this
+    KV head), table ``[C]`` (this chunk of slots), length ``[1]`` -> keys ``[C]`` int32."""
     c = pl.program_id(2)
     n = (len_ref[0] + page_size - 1) // page_size
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -62,7 +62,8 @@ def _score_kernel(qbar_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size,
     phys = jnp.where(eligible, table_ref[...], jnp.int32(0))
     cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-    score = jnp.sum(cent * qbar_ref[...][None, :], axis=1)
+    qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group          # [D]
+    score = jnp.sum(cent * qbar[None, :], axis=1)
     key_ref[...] = jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
 
 
@@ -71,7 +72,7 @@ def _count(mask: jax.Array) -> jax.Array:
 
 
 def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
-                   page_size, max_pages, slot_bits):
+                   page_size, max_pages, slot_bits, radix_bits):
     """keys ``[Mpad]``, table ``[Mpad]``, length, budget -> page list (physical ``[Kpad]`` and
     logical ``[Kpad]``, entries past the count repeat the last page) and the count ``[1]``."""
     mpad = key_ref.shape[0]
@@ -82,23 +83,39 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
     k = budget - RESERVED
 
-    # Largest T with #(keys >= T) >= k, built bit by bit from the sign bit down. Ineligible keys
-    # are INT_MIN and every candidate is larger, so they are never counted; k = 0 gives T =
-    # INT_MAX and chooses nothing.
-    # (Python loops: unrolled, and the Triton lowering mishandles closed-over arrays in loops.)
+    # Largest T with #(keys >= T) >= k, built from the sign bit down, `radix_bits` bits per
+    # round: each round counts the keys at or above the 2**radix_bits candidates in one
+    # reduction. count(keys >= t) >= k holds throughout. Ineligible keys are INT_MIN and every
+    # candidate is larger, so they are never counted; k = 0 gives T = INT_MAX, nothing chosen.
+    # (Python loops: unrolled, fixed trip counts.)
     t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
-    for bit in range(30, -1, -1):
-        cand = t | (1 << bit)
-        t = jnp.where(_count(keys >= cand) >= k, cand, t)
+    hi = 31
+    while hi > 0:
+        width = min(radix_bits, hi)
+        shift = hi - width
+        cands = t | lax.shift_left(lax.broadcasted_iota(jnp.int32, (1 << width, 1), 0), shift)
+        counts = jnp.sum((keys[None, :] >= cands).astype(jnp.int32), axis=1)
+        # Counts fall as candidates rise: the last one still >= k is the digit.
+        digit = jnp.sum((counts >= k).astype(jnp.int32)) - 1
+        t = t | lax.shift_left(digit, shift)
+        hi = shift
     above = keys > t
     need = k - _count(above)                     # how many keys equal to t to take, >= 0
     equal = keys == t
     # Ties: the `need` lowest slots among the equal keys: the largest j with fewer than `need`
-    # equal keys below it is the last one taken.
-    j = jnp.int32(0)
-    for bit in range(slot_bits - 1, -1, -1):
-        cand = j + (1 << bit)
-        j = jnp.where(_count(equal & (idx < cand)) < need, cand, j)
+    # equal keys below it is the last one taken. Usually exactly `need` keys equal t (no tie
+    # at the threshold) and the search is skipped.
+    def lowest_equal():
+        j = jnp.int32(0)
+        for bit in range(slot_bits - 1, -1, -1):
+            cand = j + (1 << bit)
+            j = jnp.where(_count(equal & (idx < cand)) < need, cand, j)
+        return j
+
+    # need <= mpad, so the first branch is mpad (no limit); it is computed from a traced value
+    # because the Triton lowering cannot yield a literal from a cond.
+    j = lax.cond(_count(equal) == need, lambda: jnp.maximum(need, jnp.int32(mpad)),
+                 lowest_equal)
     chosen = above | (equal & (idx <= j) & (need > 0))
     reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
     sel = jnp.where(n <= budget, idx < n, reserved | chosen)
@@ -216,7 +233,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          centroids: jax.Array | None = None,
                          max_budget_pages: int | None = None, block_pages: int = 8,
                          splits: int | None = None, score_chunk: int = 64,
-                         num_warps: int = 4, num_stages: int = 2,
+                         select_warps: int = 4, radix_bits: int = 1, num_warps: int = 4,
+                         num_stages: int = 2,
                          interpret: bool = False) -> jax.Array:
     """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
 
@@ -236,6 +254,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       block_pages: pages per step of the attention loop (a power of two).
       splits: parts of each page list run in parallel; default :func:`default_splits`.
       score_chunk: page slots per program of the scoring kernel (a power of two).
+      select_warps: Triton warps of the selection kernel.
+      radix_bits: bits of the threshold decided per counting round of the selection.
       num_warps, num_stages: Triton settings of the attention kernel.
       interpret: run the kernels in Pallas' interpreter (CPU tests).
 
@@ -252,8 +272,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return _sparse_decode(q, k_pages, v_pages, centroids, page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size, max_pages=max_pages, block_pages=block_pages,
-                          splits=splits, score_chunk=score_chunk, num_warps=num_warps,
-                          num_stages=num_stages, interpret=interpret)
+                          splits=splits, score_chunk=score_chunk, select_warps=select_warps,
+                          radix_bits=radix_bits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
 
 
 def _dims(page_table, max_pages, score_chunk, block_pages):
@@ -263,25 +283,35 @@ def _dims(page_table, max_pages, score_chunk, block_pages):
     return mpad, kpad
 
 
-def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
-                      score_chunk=64, block_pages=8, interpret=False):
-    """Scoring and selection kernels: q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, page_table
+def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q ``[B, Hq, D]`` -> ``[B, Hkv, Rpad, D]``: each KV head's query heads, zero rows added up
+    to a power of two >= 16 (the smallest matrix-unit tile)."""
+    b, hq, d = q.shape
+    r = hq // kv_heads
+    return jnp.pad(q.reshape(b, kv_heads, r, d),
+                   ((0, 0), (0, 0), (0, max(16, _pow2(r)) - r), (0, 0)))
+
+
+def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages, *, page_size,
+                      max_pages,
+                      score_chunk=64, block_pages=8, select_warps=4, radix_bits=1,
+                      interpret=False):
+    """Scoring and selection kernels: q_pad ``[B, Hkv, Rpad, D]`` (:func:`pad_heads`) holding
+    ``group`` query heads per KV head, centroids ``[Hkv, N, D]``, page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, Kpad]``,
     slots ``[B, Hkv, Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each (sequence,
     KV head) in page order, as physical pages and as slots of the sequence; entries from count
     on repeat the last page."""
-    b, hq, d = q.shape
-    hkv, n_total = centroids.shape[:2]
-    r = hq // hkv
+    b, hkv, rpad, d = q_pad.shape
+    n_total = centroids.shape[1]
     mpad, kpad = _dims(page_table, max_pages, score_chunk, block_pages)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    qbar = jnp.mean(q.reshape(b, hkv, r, d).astype(jnp.float32), axis=2)      # [B, Hkv, D]
     row = pl.BlockSpec((1,), lambda bi, hi, *_: (bi,))
 
     keys = pl.pallas_call(
-        functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk),
+        functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk, group=group),
         grid=(b, hkv, mpad // score_chunk),
-        in_specs=[pl.BlockSpec((None, None, d), lambda bi, hi, ci: (bi, hi, 0)),
+        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, ci: (bi, hi, 0, 0)),
                   pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
                   pl.BlockSpec((None, score_chunk), lambda bi, hi, ci: (bi, ci)),
                   row],
@@ -289,11 +319,11 @@ def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_s
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
-    )(qbar, centroids, table, lengths)
+    )(q_pad, centroids, table, lengths)
 
     return pl.pallas_call(
         functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
-                          slot_bits=int(math.log2(mpad))),
+                          slot_bits=int(math.log2(mpad)), radix_bits=radix_bits),
         grid=(b, hkv),
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
@@ -304,21 +334,21 @@ def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_s
         out_shape=[jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
                    jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
                    jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_select",
     )(keys, table, lengths, budget_pages)
 
 
-def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size,
-                      block_pages, splits, num_warps=4, num_stages=2, interpret=False):
-    """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists of
-    :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype."""
-    b, hq, d = q.shape
-    hkv, n_total = k_pages.shape[:2]
-    r = hq // hkv
+def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths, *,
+                      page_size, block_pages, splits, num_warps=4, num_stages=2,
+                      interpret=False):
+    """Attention kernel and split merge: q_pad ``[B, Hkv, Rpad, D]`` with ``group`` real heads,
+    pages ``[Hkv, N, P, D]``, the lists of :func:`select_page_lists`, lengths ``[B]`` ->
+    ``[B, Hkv * group, D]`` in q's dtype."""
+    b, hkv, rpad, d = q_pad.shape
+    n_total = k_pages.shape[1]
+    r = group
     kpad = phys.shape[-1]
-    rpad = max(16, _pow2(r))
-    q_pad = jnp.pad(q.reshape(b, hkv, r, d), ((0, 0), (0, 0), (0, rpad - r), (0, 0)))
     pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
     list_spec = pl.BlockSpec((None, None, kpad), lambda bi, hi, si: (bi, hi, 0))
     o, mx, l = pl.pallas_call(
@@ -348,19 +378,21 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
     o_all = jnp.sum(w[..., None] * o, axis=2)
     out = jnp.where(l_all[..., None] > 0,
                     o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
-    return out[:, :, :r].reshape(b, hq, d).astype(q.dtype)
+    return out[:, :, :r].reshape(b, hkv * r, d).astype(q_pad.dtype)
 
 
 @functools.partial(jax.jit, static_argnames=(
-    "page_size", "max_pages", "block_pages", "splits", "score_chunk", "num_warps", "num_stages",
-    "interpret"))
+    "page_size", "max_pages", "block_pages", "splits", "score_chunk", "select_warps",
+    "radix_bits", "num_warps", "num_stages", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
-                   page_size, max_pages, block_pages, splits, score_chunk, num_warps,
-                   num_stages, interpret):
+                   page_size, max_pages, block_pages, splits, score_chunk, select_warps,
+                   radix_bits, num_warps, num_stages, interpret):
+    group = q.shape[1] // k_pages.shape[0]
+    q_pad = pad_heads(q, k_pages.shape[0])
     phys, slots, count = select_page_lists(
-        q, centroids, page_table, lengths, budget_pages, page_size=page_size,
+        q_pad, group, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, score_chunk=score_chunk, block_pages=block_pages,
-        interpret=interpret)
-    return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
+        select_warps=select_warps, radix_bits=radix_bits, interpret=interpret)
+    return attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, block_pages=block_pages, splits=splits,
                              num_warps=num_warps, num_stages=num_stages, interpret=interpret)

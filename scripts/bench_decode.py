@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import statistics
 import sys
 import time
@@ -34,7 +35,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_decode_gpu import sparse_decode_pallas
+from pallas_kernels.sparse_decode_gpu import (pad_heads, select_page_lists,
+                                             sparse_decode_pallas)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
 
@@ -112,6 +114,14 @@ def read_ceiling(repeats=10, small=False):
     return best
 
 
+def parse_variant(spec):
+    """'b8s4w4' -> ('kernel_b8s4w4', dict(block_pages=8, splits=4, num_warps=4))."""
+    names = dict(b="block_pages", s="splits", w="num_warps", c="score_chunk", t="select_warps",
+                 r="radix_bits", g="num_stages")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrg])(\d+)", spec)}
+    return f"kernel_{spec}", kw
+
+
 def rel_err(got, want):
     got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
     return float(np.abs(got - want).max() / np.abs(want).max())
@@ -126,9 +136,12 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--skip", nargs="*", default=[], help="implementations not to run")
-    ap.add_argument("--kernel-configs", default="8",
-                    help="kernel variants as block_pages[xsplits][wWARPS], comma separated")
+    ap.add_argument("--kernel-configs", default="b8",
+                    help="kernel variants, comma separated, each letters+numbers: b block_pages, "
+                         "s splits, w warps, c score_chunk, t select warps, r radix bits, g stages (e.g. b4c128t8r2g3)")
     ap.add_argument("--out", default=None, help="JSON file")
+    ap.add_argument("--breakdown", action="store_true",
+                    help="also time scoring + selection alone")
     ap.add_argument("--interpret", action="store_true",
                     help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
     args = ap.parse_args(argv)
@@ -137,14 +150,7 @@ def main(argv=None):
           flush=True)
     ceiling = read_ceiling(small=args.interpret)
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
-    variants = []
-    for c in args.kernel_configs.split(","):
-        warps = 4
-        if "w" in c:
-            c, w = c.split("w")
-            warps = int(w)
-        bp, _, sp = c.partition("x")
-        variants.append((int(bp), int(sp) if sp else None, warps))
+    variants = [parse_variant(c) for c in args.kernel_configs.split(",")]
     rows = []
     rng = np.random.default_rng(0)
     for ctx in args.contexts:
@@ -190,16 +196,28 @@ def main(argv=None):
                         budget_tokens, functools.partial(sparse_decode, page_size=P,
                                                          impl="reference", max_budget_pages=kb),
                         (q, k_pages, v_pages, table, lengths, budgets), sparse_bytes)
-                for bp, sp, warps in variants:
-                    name = f"kernel_b{bp}" + (f"_s{sp}" if sp else "") + f"_w{warps}"
+                for name, kw in variants:
                     fn = functools.partial(
-                        lambda q_, k_, v_, c_, t_, l_, bu_, **kw: sparse_decode_pallas(
-                            q_, k_, v_, t_, l_, bu_, centroids=c_, **kw),
-                        page_size=P, max_budget_pages=kb, block_pages=bp, splits=sp,
-                        num_warps=warps, interpret=args.interpret)
+                        lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_pallas(
+                            q_, k_, v_, t_, l_, bu_, centroids=c_, **kw_),
+                        page_size=P, max_budget_pages=kb, interpret=args.interpret, **kw)
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
+                if args.breakdown:
+                    # Scoring + selection alone (first variant's settings); the next query
+                    # depends on the lists through a zero so the calls stay chained.
+                    kw = {k: v for k, v in variants[0][1].items()
+                          if k in ("score_chunk", "block_pages", "select_warps", "radix_bits")}
+
+                    def select_only(q_, c_, t_, l_, bu_, kb=kb, kw=kw):
+                        phys, _, count = select_page_lists(
+                            pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_, page_size=P, max_pages=kb,
+                            interpret=args.interpret, **kw)
+                        return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
+                    cases[f"select_only@{budget_tokens}"] = (
+                        None, select_only, (q, centroids, table, lengths, budgets),
+                        b * HKV * (m - 3) * D * 2)
             refs = {}
             for name, (bt, fn, fn_args, nbytes) in cases.items():
                 try:
@@ -220,7 +238,9 @@ def main(argv=None):
                     print(f"{name} ctx={ctx} b={b}: FAILED {msg[:2000]}", flush=True)
                     rows.append(dict(impl=name, context=ctx, batch=b, error=msg[:2000]))
                     continue
-                row = dict(impl=name.split("@")[0], budget_tokens=bt, context=ctx, batch=b,
+                row = dict(impl=name.split("@")[0],
+                           budget_tokens=bt or (int(name.split("@")[1]) if "@" in name else None),
+                           context=ctx, batch=b,
                            ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
                            frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
                 rows.append(row)
@@ -242,7 +262,7 @@ def summarize(rows):
     ok = [r for r in rows if "ms" in r]
     dense = {}
     for r in ok:
-        if r["budget_tokens"] is None:
+        if r["budget_tokens"] is None and r["impl"].startswith("dense"):
             dense.setdefault((r["context"], r["batch"]), {})[r["impl"]] = r["ms"]
     out = ["| ctx | batch | budget | dense xla / pallas ms | composition ms | xla ref ms | "
            "kernel ms (best) | x vs dense | x vs comp | % ceiling | rel err |",
