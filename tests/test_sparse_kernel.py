@@ -1,0 +1,247 @@
+"""The Pallas sparse decode kernels (pallas_kernels/sparse_decode_gpu.py) against a float64 NumPy
+reference written here from DESIGN 3.2, independently of the kernel code.
+
+On CPU the kernels run in Pallas' interpreter; on a GPU the same tests compile them with Triton.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_decode_gpu import (pad_heads, select_page_lists,
+                                              sparse_decode_pallas)
+
+INTERPRET = jax.default_backend() == "cpu"
+P = 16
+
+
+# ---------------------------------------------------------------- float64 reference (DESIGN 3.2)
+
+def chosen_pages_np(q_group, centroids, row_table, length, budget):
+    """Page slots one (sequence, KV head) attends to, in page order. q_group ``[r, D]``,
+    centroids ``[N, D]`` as stored (cache dtype), row_table ``[M]``."""
+    n = -(-length // P)
+    if n <= budget:
+        return list(range(n))
+    qbar = q_group.astype(np.float64).mean(axis=0)
+    scored = [(-float(qbar @ centroids[row_table[j]].astype(np.float64)), j)
+              for j in range(1, n - 2)]
+    top = [j for _, j in sorted(scored)[: budget - 3]]     # higher score, then lower index first
+    return sorted([0, *top, n - 2, n - 1])
+
+
+def sparse_decode_np(q, k, v, centroids, table, lengths, budgets):
+    """q ``[B, Hq, D]``, k/v ``[Hkv, N, P, D]``, centroids ``[Hkv, N, D]`` -> float64 output and
+    the chosen slots per (b, h)."""
+    b_, hq, d = q.shape
+    hkv = k.shape[0]
+    r = hq // hkv
+    out = np.zeros((b_, hq, d))
+    chosen = {}
+    for b in range(b_):
+        length = int(lengths[b])
+        for h in range(hkv):
+            group = q[b, h * r:(h + 1) * r]
+            pages = chosen_pages_np(group, centroids[h], table[b], length, int(budgets[b]))
+            chosen[b, h] = pages
+            keys = np.concatenate([k[h, table[b, j]] for j in pages]).astype(np.float64)
+            vals = np.concatenate([v[h, table[b, j]] for j in pages]).astype(np.float64)
+            pos = np.concatenate([j * P + np.arange(P) for j in pages])
+            keys, vals = keys[pos < length], vals[pos < length]
+            for i in range(r):
+                logits = keys @ group[i].astype(np.float64) / math.sqrt(d)
+                w = np.exp(logits - logits.max())
+                out[b, h * r + i] = w @ vals / w.sum()
+    return out, chosen
+
+
+# ---------------------------------------------------------------- random cases
+
+def make_case(rng, *, lengths, hkv, r, d, dtype, spare_cols=1, pages_total=None):
+    """Random queries and paged cache with pages scattered over the pool in random order, page
+    "topics" so that scores spread, and the centroids as the cache stores them (float32 mean of
+    the keys, rounded to the cache dtype)."""
+    lengths = np.asarray(lengths, np.int32)
+    m = int(-(-lengths.max() // P)) + spare_cols
+    b = len(lengths)
+    pages_total = pages_total or b * m + 5
+    table = rng.permutation(pages_total)[: b * m].reshape(b, m).astype(np.int32)
+    q = rng.standard_normal((b, hkv * r, d))
+    k = rng.standard_normal((hkv, pages_total, P, d)) + 2 * rng.standard_normal(
+        (hkv, pages_total, 1, d))
+    v = rng.standard_normal((hkv, pages_total, P, d))
+    q, k, v = (jnp.asarray(x, dtype) for x in (q, k, v))
+    cent = jnp.mean(k.astype(jnp.float32), axis=2).astype(dtype)
+    return q, k, v, cent, jnp.asarray(table), jnp.asarray(lengths)
+
+
+def as64(x):
+    return np.asarray(jnp.asarray(x, jnp.float32), np.float64)
+
+
+def check(rng, *, lengths, budgets, hkv, r, d, dtype, **kw):
+    q, k, v, cent, table, lengths = make_case(rng, lengths=lengths, hkv=hkv, r=r, d=d,
+                                              dtype=dtype)
+    budgets = jnp.asarray(budgets, jnp.int32)
+    out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, centroids=cent,
+                               interpret=INTERPRET, **kw)
+    assert out.shape == q.shape and out.dtype == q.dtype
+    want, _ = sparse_decode_np(as64(q), as64(k), as64(v), as64(cent), np.asarray(table),
+                               np.asarray(lengths), np.asarray(budgets))
+    got = as64(out)
+    assert np.isfinite(got).all()
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    # float32: exact math up to rounding; bf16: probabilities rounded to bf16 for P.V and the
+    # output rounded to bf16 (DESIGN: within 1e-2 relative).
+    assert rel < (1e-5 if dtype == jnp.float32 else 1e-2), rel
+
+
+# Lengths: 1 token, partial pages, exact page boundaries (48, 320), a long ragged one.
+LENGTHS = [1, 20, 48, 97, 320, 515]
+# Budgets: the minimum 3 (reserved pages only), small, exactly n, more than the sequence.
+BUDGETS = [3, 3, 3, 4, 20, 40]
+
+
+@pytest.mark.parametrize("r,d,dtype", [(1, 64, jnp.float32), (5, 128, jnp.float32),
+                                       (4, 128, jnp.bfloat16), (8, 64, jnp.bfloat16)])
+def test_matches_float64_reference(r, d, dtype):
+    rng = np.random.default_rng(r * 1000 + d)
+    check(rng, lengths=LENGTHS, budgets=BUDGETS, hkv=2, r=r, d=d, dtype=dtype)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+@pytest.mark.parametrize("d", [64, 128])
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_full_matrix(r, d, dtype):
+    rng = np.random.default_rng(r * 7 + d)
+    lengths = rng.integers(1, 1200, size=5).tolist() + [1024]
+    budgets = [3, int(rng.integers(3, 20)), int(rng.integers(20, 60)), 8, 100, 64]
+    check(rng, lengths=lengths, budgets=budgets, hkv=2, r=r, d=d, dtype=dtype)
+
+
+@pytest.mark.parametrize("kw", [dict(block_pages=4, splits=3, radix_bits=2),
+                                dict(block_pages=16, splits=1, radix_bits=3, score_chunk=128)])
+def test_settings_do_not_change_the_result(kw):
+    """Splits (also ones that leave some empty), block sizes and radix widths are tuning only."""
+    rng = np.random.default_rng(7)
+    check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
+          dtype=jnp.float32, **kw)
+
+
+def lists_as_sets(phys, slots, count):
+    c = np.asarray(count)[..., 0]
+    s = np.asarray(slots)
+    return {(b, h): s[b, h, : c[b, h]].tolist() for b in range(c.shape[0])
+            for h in range(c.shape[1])}, np.asarray(phys)
+
+
+def test_selection_equals_reference_and_lists_are_padded():
+    rng = np.random.default_rng(11)
+    q, k, v, cent, table, lengths = make_case(rng, lengths=[1000, 17, 600], hkv=2, r=2, d=64,
+                                              dtype=jnp.float32)
+    budgets = np.array([30, 3, 64], np.int32)
+    max_pages = 64
+    phys, slots, count = select_page_lists(
+        pad_heads(q, 2), 2, cent, table, lengths, jnp.asarray(budgets), page_size=P,
+        max_pages=max_pages, interpret=INTERPRET)
+    got, phys = lists_as_sets(phys, slots, count)
+    _, want = sparse_decode_np(as64(q), as64(k), as64(v), as64(cent), np.asarray(table),
+                               np.asarray(lengths), budgets)
+    assert got == want
+    tab = np.asarray(table)
+    for (b, h), pages in want.items():
+        c = len(pages)
+        assert phys[b, h, :c].tolist() == tab[b, pages].tolist()
+        # Entries past the count repeat the last page (read from cache, masked out).
+        assert (phys[b, h, c:max_pages] == tab[b, pages[-1]]).all()
+
+
+def test_ties_go_to_the_lower_page_index():
+    """Centroids with only three distinct values: most scores tie, and the lower slots win.
+    Worked by hand: n = 12 pages, budget 6 -> pages 0, 10, 11 and the 3 best of slots 1..9.
+    Slots 1..9 score (per the pattern below) low, high, mid, high, mid, high, low, high, mid:
+    the four 'high' slots 2, 4, 6, 8 tie for 3 places -> 2, 4, 6."""
+    d, hkv = 16, 1
+    pattern = [0, 0, 2, 1, 2, 1, 2, 0, 2, 1, 0, 0]          # 0 low, 1 mid, 2 high (slots 0..11)
+    levels = np.array([-1.0, 0.5, 2.0])
+    n_total = len(pattern) + 4
+    cent = np.zeros((hkv, n_total, d), np.float32)
+    table = np.arange(3, 3 + len(pattern), dtype=np.int32)[None, :]
+    for j, lvl in enumerate(pattern):
+        cent[0, table[0, j]] = levels[lvl]
+    q = np.ones((1, 2, d), np.float32)
+    phys, slots, count = select_page_lists(
+        pad_heads(jnp.asarray(q), hkv), 2, jnp.asarray(cent), jnp.asarray(table),
+        jnp.asarray([12 * P - 5], jnp.int32), jnp.asarray([6], jnp.int32), page_size=P,
+        max_pages=12, interpret=INTERPRET)
+    got, _ = lists_as_sets(phys, slots, count)
+    assert got[0, 0] == [0, 2, 4, 6, 10, 11]
+
+
+def test_negative_and_zero_scores_order_correctly():
+    """The float -> int key order across signs, -0.0 equal to 0.0 (ties by index)."""
+    d = 8
+    vals = [0.0, -3.0, -0.0, 1.5, -1.0, 0.0, -0.0, 2.5, -7.0, 9.0, 0.0, 0.0]
+    n_total = len(vals)
+    cent = np.zeros((1, n_total, d), np.float32)
+    cent[0, :, 0] = vals
+    q = np.zeros((1, 1, d), np.float32)
+    q[0, 0, 0] = 1.0
+    table = np.arange(n_total, dtype=np.int32)
+    budgets = np.arange(3, n_total + 1, dtype=np.int32)          # one row per budget
+    rows = len(budgets)
+    phys, slots, count = select_page_lists(
+        pad_heads(jnp.asarray(np.repeat(q, rows, 0)), 1), 1, jnp.asarray(cent),
+        jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n_total * P, jnp.int32),
+        jnp.asarray(budgets), page_size=P, max_pages=n_total, interpret=INTERPRET)
+    got, _ = lists_as_sets(phys, slots, count)
+    for i, budget in enumerate(budgets):
+        want = chosen_pages_np(q[0], cent[0], table, n_total * P, int(budget))
+        assert got[i, 0] == want, budget
+
+
+def test_zero_length_row_gives_zeros():
+    rng = np.random.default_rng(3)
+    q, k, v, cent, table, _ = make_case(rng, lengths=[40, 40], hkv=1, r=2, d=64,
+                                        dtype=jnp.float32)
+    out = sparse_decode_pallas(q, k, v, table, jnp.asarray([40, 0], jnp.int32),
+                               jnp.asarray([3, 3], jnp.int32), page_size=P, centroids=cent,
+                               interpret=INTERPRET)
+    assert np.isfinite(np.asarray(out)).all()
+    assert (np.asarray(out)[1] == 0).all()
+
+
+def test_centroids_default_to_the_page_means():
+    rng = np.random.default_rng(5)
+    q, k, v, cent, table, lengths = make_case(rng, lengths=[300, 90], hkv=2, r=2, d=64,
+                                              dtype=jnp.float32)
+    args = (q, k, v, table, lengths, jnp.asarray([6, 4], jnp.int32))
+    a = sparse_decode_pallas(*args, page_size=P, interpret=INTERPRET)
+    b = sparse_decode_pallas(*args, page_size=P, centroids=cent, interpret=INTERPRET)
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+@pytest.mark.parametrize("change,match", [
+    (dict(scorer="quest"), "centroid"),
+    (dict(page_size=8), "page_size"),
+    (dict(max_budget_pages=2), "max_budget_pages"),
+    (dict(q=jnp.zeros((2, 3, 64))), "multiple"),
+    (dict(lengths=jnp.zeros((3,), jnp.int32)), "lengths"),
+    (dict(budget_pages=jnp.zeros((2,), jnp.float32)), "integer"),
+    (dict(centroids=jnp.zeros((2, 5, 64))), "centroids"),
+])
+def test_bad_input_is_named(change, match):
+    rng = np.random.default_rng(0)
+    q, k, v, cent, table, lengths = make_case(rng, lengths=[40, 40], hkv=2, r=2, d=64,
+                                              dtype=jnp.float32)
+    args = dict(q=q, k_pages=k, v_pages=v, page_table=table, lengths=lengths,
+                budget_pages=jnp.asarray([3, 3], jnp.int32), page_size=P)
+    args.update(change)
+    with pytest.raises(ValueError, match=match):
+        sparse_decode_pallas(**args, interpret=True)
