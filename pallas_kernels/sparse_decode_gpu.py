@@ -231,7 +231,7 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
                          page_size: int = 16, scorer: str = "centroid",
                          centroids: jax.Array | None = None,
-                         max_budget_pages: int | None = None, block_pages: int = 8,
+                         max_budget_pages: int | None = None, block_pages: int = 4,
                          splits: int | None = None, score_chunk: int = 64,
                          select_warps: int = 4, radix_bits: int = 1, num_warps: int = 4,
                          num_stages: int = 2,
@@ -294,7 +294,7 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
 
 def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages, *, page_size,
                       max_pages,
-                      score_chunk=64, block_pages=8, select_warps=4, radix_bits=1,
+                      score_chunk=64, block_pages=4, select_warps=4, radix_bits=1,
                       interpret=False):
     """Scoring and selection kernels: q_pad ``[B, Hkv, Rpad, D]`` (:func:`pad_heads`) holding
     ``group`` query heads per KV head, centroids ``[Hkv, N, D]``, page_table

@@ -132,11 +132,14 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8, 32, 64])
     ap.add_argument("--contexts", type=int, nargs="+", default=[4096, 16384, 32768, 65536])
     ap.add_argument("--budgets", type=int, nargs="+", default=[512, 2048, 4096],
-                    help="budgets in tokens (reserved pages included)")
+                    help="budgets in tokens (reserved pages included) at --sweep-contexts")
+    ap.add_argument("--sweep-contexts", type=int, nargs="*", default=[32768],
+                    help="contexts that get every budget; the others get --main-budget only")
+    ap.add_argument("--main-budget", type=int, default=2048)
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--skip", nargs="*", default=[], help="implementations not to run")
-    ap.add_argument("--kernel-configs", default="b8",
+    ap.add_argument("--kernel-configs", default="b4",
                     help="kernel variants, comma separated, each letters+numbers: b block_pages, "
                          "s splits, w warps, c score_chunk, t select warps, r radix bits, g stages (e.g. b4c128t8r2g3)")
     ap.add_argument("--out", default=None, help="JSON file")
@@ -179,7 +182,8 @@ def main(argv=None):
                 cases["dense_pallas_paged"] = (None, functools.partial(
                     paged_attention_pallas, interpret=args.interpret),
                                                (q, k_pages, v_pages, table, lengths), dense_bytes)
-            for budget_tokens in args.budgets:
+            budget_list = (args.budgets if ctx in args.sweep_contexts else [args.main_budget])
+            for budget_tokens in budget_list:
                 kb = budget_tokens // P
                 if kb >= m:
                     continue
