@@ -126,7 +126,7 @@ def test_full_matrix(r, d, dtype):
 
 
 @pytest.mark.parametrize("kw", [dict(block_pages=4, splits=3, radix_bits=2),
-                                dict(block_pages=16, splits=1, radix_bits=3, score_chunk=128)])
+                                dict(block_pages=8, splits=1, radix_bits=3, score_chunk=128)])
 def test_settings_do_not_change_the_result(kw):
     """Splits (also ones that leave some empty), block sizes and radix widths are tuning only."""
     rng = np.random.default_rng(7)
