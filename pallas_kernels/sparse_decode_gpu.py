@@ -5,10 +5,11 @@ One decode step of DESIGN 3.2 for one layer, in three kernels and a small combin
 1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores ``qbar . centroid`` of the pages
    that may be chosen (``1 .. n-3``), turned into int32 keys whose signed order is the order of
    the scores (ineligible slots get the smallest key). Reads one key-sized vector per page.
-2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
-   threshold search (31 counting passes over the row held on chip, no sort), ties to the lower
-   page index by a second bitwise search over slot indices, plus the reserved pages; the chosen
-   slots are compacted in page order (a prefix sum) into a page list.
+2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a radix
+   threshold search (from the sign bit down, ``radix_bits`` bits per block-wide counting round
+   over the row held on chip; no sort), ties to the lower page index by a bitwise search over
+   slot indices, plus the reserved pages; the chosen slots are compacted in page order (a prefix
+   sum) into a page list.
 3. ``_attend_kernel``, grid ``(B, Hkv, S)``: online-softmax attention of all query heads of the
    group over the listed pages, the list split S ways (flash-decoding) so that small batches
    still fill the GPU; each split loops only over its share of its own row's list, so the cost
@@ -26,6 +27,7 @@ import math
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
@@ -34,8 +36,6 @@ RESERVED = 3           # page 0 and the last two pages (DESIGN 3.2)
 _INT_MIN = -(2 ** 31)
 # Finite, so that a fully masked block cannot turn the running max into NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
-
-
 # Scalars inside kernels are typed (jnp.int32(0), not 0): the Triton lowering gives a weakly
 # typed constant in jnp.where the predicate's type.
 
@@ -73,8 +73,9 @@ def _count(mask: jax.Array) -> jax.Array:
 
 def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
                    page_size, max_pages, slot_bits, radix_bits):
-    """keys ``[Mpad]``, table ``[Mpad]``, length, budget -> page list (physical ``[Kpad]`` and
-    logical ``[Kpad]``, entries past the count repeat the last page) and the count ``[1]``."""
+    """keys ``[Mpad]``, table ``[Mpad]``, length, budget -> page list (physical and logical,
+    each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page, the second half is
+    never written on GPU) and the count ``[1]``."""
     mpad = key_ref.shape[0]
     kpad = phys_ref.shape[0] // 2
     keys = key_ref[...]
@@ -163,7 +164,8 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
         slot = slot_ref[sl]
         k = k_ref[phys].reshape(block_k, d).astype(cdt)
         v = v_ref[phys].reshape(block_k, d).astype(cdt)
-        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale                      # [Rpad, block_k] f32
+        # [Rpad, block_k] float32; allow_tf32=False keeps float32 inputs exact.
+        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale
         ok = ((i * block_pages + entry < count)
               & (slot[:, None] * page_size + tok < length)).reshape(1, block_k)
         logits = jnp.where(ok, logits, jnp.float32(_MASK_VALUE))
@@ -180,6 +182,14 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     o_ref[...] = o
     m_ref[...] = m
     l_ref[...] = l
+
+
+def _concrete(x) -> np.ndarray | None:
+    """x as a NumPy array when its value is known now (not a tracer), else None."""
+    try:
+        return np.asarray(x)
+    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
+        return None
 
 
 def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
@@ -218,6 +228,22 @@ def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_siz
     if max_budget_pages is not None and not RESERVED <= max_budget_pages <= m:
         raise ValueError(f"max_budget_pages must be in [{RESERVED}, page_table width {m}], got "
                          f"{max_budget_pages}")
+    # Values are checked where they are known now (not under jit): traced budgets are clipped to
+    # [3, max_budget_pages] and the kernels trust the table and lengths.
+    lens, budgets, tab = (_concrete(x) for x in (lengths, budget_pages, page_table))
+    if lens is not None and ((lens < 0) | (lens > m * page_size)).any():
+        raise ValueError(f"lengths must be in [0, page_table width x page_size = "
+                         f"{m * page_size}], got {lens.tolist()}")
+    if budgets is not None and (budgets < RESERVED).any():
+        raise ValueError(f"budget_pages must be >= {RESERVED} (page 0 and the last two pages are "
+                         f"always kept), got {budgets.tolist()}")
+    if lens is not None and budgets is not None and max_budget_pages is not None:
+        over = np.minimum(budgets, -(-lens // page_size)) > max_budget_pages
+        if over.any():
+            raise ValueError(f"sequences {np.flatnonzero(over).tolist()} need more than "
+                             f"max_budget_pages={max_budget_pages} pages")
+    if tab is not None and ((tab < 0) | (tab >= n_total)).any():
+        raise ValueError(f"page_table entries must be in [0, pages_total={n_total})")
 
 
 def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
@@ -244,13 +270,14 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       page_table: ``[B, M]`` int32 physical page of each sequence's j-th page.
       lengths: ``[B]`` int32 tokens in the cache, current token included (>= 1; a row of 0
         returns zeros).
-      budget_pages: ``[B]`` int32 pages per (sequence, KV head), the 3 reserved included;
-        clipped to ``[3, max_budget_pages]``.
+      budget_pages: ``[B]`` int32 pages per (sequence, KV head), the 3 reserved included
+        (>= 3). Under jit, where they cannot be checked, clipped to ``[3, max_budget_pages]``.
       page_size: P, a power of two.
       scorer: ``"centroid"`` only.
       centroids: ``[Hkv, N, D]`` page means of the keys in the cache dtype; computed from the
         pages when None (as the cache would store them).
-      max_budget_pages: static size of the page lists; default M.
+      max_budget_pages: static size of the page lists; default M. Concrete budgets needing
+        more pages raise.
       block_pages: pages per step of the attention loop (a power of two).
       splits: parts of each page list run in parallel; default :func:`default_splits`.
       score_chunk: page slots per program of the scoring kernel (a power of two).
@@ -273,7 +300,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size, max_pages=max_pages, block_pages=block_pages,
                           splits=splits, score_chunk=score_chunk, select_warps=select_warps,
-                          radix_bits=radix_bits, num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                          radix_bits=radix_bits, num_warps=num_warps, num_stages=num_stages,
+                          interpret=interpret)
 
 
 def _dims(page_table, max_pages, score_chunk, block_pages):

@@ -170,7 +170,8 @@ def main(argv=None):
     ap.add_argument("--skip", nargs="*", default=[], help="implementations not to run")
     ap.add_argument("--kernel-configs", default="b4",
                     help="kernel variants, comma separated, each letters+numbers: b block_pages, "
-                         "s splits, w warps, c score_chunk, t select warps, r radix bits, g stages (e.g. b4c128t8r2g3)")
+                         "s splits, w warps, c score_chunk, t select warps, r radix bits, "
+                         "g stages (e.g. b4c128t8r2g3)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time scoring + selection alone")
@@ -247,7 +248,8 @@ def main(argv=None):
 
                     def select_only(q_, c_, t_, l_, bu_, kb=kb, kw=kw):
                         phys, _, count = select_page_lists(
-                            pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_, page_size=P, max_pages=kb,
+                            pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_, page_size=P,
+                            max_pages=kb,
                             interpret=args.interpret, **kw)
                         return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
                     cases[f"select_only@{budget_tokens}"] = (

@@ -235,6 +235,13 @@ def test_centroids_default_to_the_page_means():
     (dict(lengths=jnp.zeros((3,), jnp.int32)), "lengths"),
     (dict(budget_pages=jnp.zeros((2,), jnp.float32)), "integer"),
     (dict(centroids=jnp.zeros((2, 5, 64))), "centroids"),
+    (dict(budget_pages=jnp.asarray([3, 2], jnp.int32)), ">= 3"),
+    (dict(lengths=jnp.asarray([40, 10_000], jnp.int32)), "lengths must be in"),
+    (dict(page_table=jnp.full((2, 4), 10_000, jnp.int32)), "pages_total"),
+    (dict(budget_pages=jnp.asarray([3, 4], jnp.int32), max_budget_pages=3,
+          lengths=jnp.asarray([40, 64], jnp.int32)), "need more than max_budget_pages"),
+    (dict(budget_pages=jnp.asarray([3, 4], jnp.int32), max_budget_pages=3,
+          lengths=jnp.asarray([40, 40], jnp.int32)), None),
 ])
 def test_bad_input_is_named(change, match):
     rng = np.random.default_rng(0)
@@ -243,5 +250,8 @@ def test_bad_input_is_named(change, match):
     args = dict(q=q, k_pages=k, v_pages=v, page_table=table, lengths=lengths,
                 budget_pages=jnp.asarray([3, 3], jnp.int32), page_size=P)
     args.update(change)
+    if match is None:   # the control: valid input passes the checks and runs
+        sparse_decode_pallas(**args, interpret=True)
+        return
     with pytest.raises(ValueError, match=match):
         sparse_decode_pallas(**args, interpret=True)
