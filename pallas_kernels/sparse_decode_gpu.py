@@ -27,12 +27,14 @@ import math
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-RESERVED = 3           # page 0 and the last two pages (DESIGN 3.2)
+from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, page_centroids
+from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
+
+RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (DESIGN 3.2)
 _INT_MIN = -(2 ** 31)
 # Finite, so that a fully masked block cannot turn the running max into NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -184,66 +186,37 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     l_ref[...] = l
 
 
-def _concrete(x) -> np.ndarray | None:
-    """x as a NumPy array when its value is known now (not a tracer), else None."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
+def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
+                  block_pages: int | None = None) -> str | None:
+    """Why the kernels cannot run a case (None when they can): they score page centroids only,
+    and Triton blocks need power-of-two sides, matrix-unit tiles at least 16 wide."""
+    if scorer != "centroid":
+        return f"the kernels score page centroids only (scorer='centroid'), got {scorer!r}"
+    p, d = page_size, head_dim
+    if p < 1 or p & (p - 1) or d & (d - 1) or d < 16:
+        return (f"page_size ({p}) and head_dim ({d}) must be powers of two, head_dim >= 16 "
+                "(Triton block shapes, matrix-unit tiles)")
+    if block_pages is not None and (block_pages < 1 or block_pages & (block_pages - 1)
+                                    or block_pages * p < 16):
+        return (f"block_pages ({block_pages}) must be a power of two with block_pages x "
+                f"page_size >= 16")
+    return None
+
+
+def default_block_pages(page_size: int) -> int:
+    """Pages per attention step: 4 (the H100 sweep at page 16), at least 16 tokens."""
+    return max(4, 16 // page_size)
 
 
 def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                centroids, max_budget_pages):
-    if scorer != "centroid":
-        raise ValueError(f"sparse_decode_pallas supports scorer='centroid' only, got {scorer!r}")
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-    b, hq, d = q.shape
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError("k_pages and v_pages must both be [kv_heads, pages_total, page_size, "
-                         f"head_dim], got {k_pages.shape} and {v_pages.shape}")
-    hkv, n_total, p, dk = k_pages.shape
-    if p != page_size:
-        raise ValueError(f"k_pages hold pages of {p} tokens but page_size={page_size}")
-    if p & (p - 1) or d & (d - 1):
-        raise ValueError(f"page_size ({p}) and head_dim ({d}) must be powers of two (Triton "
-                         "block shapes)")
-    if dk != d:
-        raise ValueError(f"q head_dim {d} != k_pages head_dim {dk}")
-    if hq % hkv:
-        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
-    if page_table.ndim != 2 or page_table.shape[0] != b:
-        raise ValueError(f"page_table must be [batch={b}, max_pages], got {page_table.shape}")
-    for name, x in (("lengths", lengths), ("budget_pages", budget_pages)):
-        if x.shape != (b,):
-            raise ValueError(f"{name} must be [batch={b}], got shape {x.shape}")
-    for name, x in (("page_table", page_table), ("lengths", lengths),
-                    ("budget_pages", budget_pages)):
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer, got {x.dtype}")
-    if centroids is not None and centroids.shape != (hkv, n_total, d):
-        raise ValueError(f"centroids must be [kv_heads, pages_total, head_dim] = "
-                         f"{(hkv, n_total, d)}, got {centroids.shape}")
-    m = page_table.shape[1]
-    if max_budget_pages is not None and not RESERVED <= max_budget_pages <= m:
-        raise ValueError(f"max_budget_pages must be in [{RESERVED}, page_table width {m}], got "
-                         f"{max_budget_pages}")
-    # Values are checked where they are known now (not under jit): traced budgets are clipped to
-    # [3, max_budget_pages] and the kernels trust the table and lengths.
-    lens, budgets, tab = (_concrete(x) for x in (lengths, budget_pages, page_table))
-    if lens is not None and ((lens < 0) | (lens > m * page_size)).any():
-        raise ValueError(f"lengths must be in [0, page_table width x page_size = "
-                         f"{m * page_size}], got {lens.tolist()}")
-    if budgets is not None and (budgets < RESERVED).any():
-        raise ValueError(f"budget_pages must be >= {RESERVED} (page 0 and the last two pages are "
-                         f"always kept), got {budgets.tolist()}")
-    if lens is not None and budgets is not None and max_budget_pages is not None:
-        over = np.minimum(budgets, -(-lens // page_size)) > max_budget_pages
-        if over.any():
-            raise ValueError(f"sequences {np.flatnonzero(over).tolist()} need more than "
-                             f"max_budget_pages={max_budget_pages} pages")
-    if tab is not None and ((tab < 0) | (tab >= n_total)).any():
-        raise ValueError(f"page_table entries must be in [0, pages_total={n_total})")
+                centroids, max_budget_pages, block_pages):
+    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
+                             page_size=page_size, max_budget_pages=max_budget_pages)
+    why = kernel_limits(q.shape[-1], page_size, scorer, block_pages)
+    if why is not None:
+        raise ValueError(f"sparse_decode_pallas: {why}")
+    if centroids is not None:
+        check_summary("centroids", centroids, k_pages)
 
 
 def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
@@ -257,19 +230,22 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
                          page_size: int = 16, scorer: str = "centroid",
                          centroids: jax.Array | None = None,
-                         max_budget_pages: int | None = None, block_pages: int = 4,
+                         max_budget_pages: int | None = None, block_pages: int | None = None,
                          splits: int | None = None, score_chunk: int = 64,
                          select_warps: int = 4, radix_bits: int = 1, num_warps: int = 4,
                          num_stages: int = 2,
                          interpret: bool = False) -> jax.Array:
     """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
 
+    ``sparrow_jax.sparse_decode(..., impl="pallas")`` (or ``"auto"`` on a GPU) is the usual way
+    in; this entry point also takes the tuning settings.
+
     Args:
       q: ``[B, Hq, D]`` queries after q-norm and RoPE.
       k_pages, v_pages: ``[Hkv, N, P, D]`` one layer's paged cache, current token written.
       page_table: ``[B, M]`` int32 physical page of each sequence's j-th page.
-      lengths: ``[B]`` int32 tokens in the cache, current token included (>= 1; a row of 0
-        returns zeros).
+      lengths: ``[B]`` int32 tokens in the cache, current token included, in ``[1, M * P]``
+        (under jit, where it cannot be checked, a row of 0 returns zeros).
       budget_pages: ``[B]`` int32 pages per (sequence, KV head), the 3 reserved included
         (>= 3). Under jit, where they cannot be checked, clipped to ``[3, max_budget_pages]``.
       page_size: P, a power of two.
@@ -278,7 +254,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         pages when None (as the cache would store them).
       max_budget_pages: static size of the page lists; default M. Concrete budgets needing
         more pages raise.
-      block_pages: pages per step of the attention loop (a power of two).
+      block_pages: pages per step of the attention loop (a power of two, at least 16 tokens);
+        default :func:`default_block_pages`.
       splits: parts of each page list run in parallel; default :func:`default_splits`.
       score_chunk: page slots per program of the scoring kernel (a power of two).
       select_warps: Triton warps of the selection kernel.
@@ -286,14 +263,32 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       num_warps, num_stages: Triton settings of the attention kernel.
       interpret: run the kernels in Pallas' interpreter (CPU tests).
 
+    Arguments are checked as by ``sparse_decode`` (:mod:`sparrow_jax.attention.sparse_args`),
+    plus the kernels' own limits (:func:`kernel_limits`).
+
     Returns:
       ``[B, Hq, D]`` in q's dtype.
     """
     _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                centroids, max_budget_pages)
+                centroids, max_budget_pages, block_pages)
     if centroids is None:
-        centroids = jnp.mean(k_pages.astype(jnp.float32), axis=2).astype(k_pages.dtype)
+        centroids = page_centroids(k_pages)
+    return sparse_decode_pallas_checked(
+        q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, page_size=page_size,
+        max_budget_pages=max_budget_pages, block_pages=block_pages, splits=splits,
+        score_chunk=score_chunk, select_warps=select_warps, radix_bits=radix_bits,
+        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+
+
+def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, lengths,
+                                 budget_pages, *, page_size, max_budget_pages=None,
+                                 block_pages=None, splits=None, score_chunk=64, select_warps=4,
+                                 radix_bits=1, num_warps=4, num_stages=2, interpret=False):
+    """:func:`sparse_decode_pallas` for arguments its caller has already checked (as
+    ``sparse_decode`` does) and given centroids: no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
+    if block_pages is None:
+        block_pages = default_block_pages(page_size)
     if splits is None:
         splits = default_splits(q.shape[0], k_pages.shape[0], max_pages, block_pages)
     return _sparse_decode(q, k_pages, v_pages, centroids, page_table.astype(jnp.int32),

@@ -11,7 +11,7 @@ import pytest
 
 from reference_np import sparse_decode_np
 from sparrow_jax.attention.selection import page_centroids, page_minmax
-from sparrow_jax.attention.sparse import sparse_decode
+from sparrow_jax.attention.sparse import resolve_impl, sparse_decode
 
 P = 4  # small pages keep the cases small while giving many pages per sequence
 
@@ -175,6 +175,7 @@ def test_bfloat16_cache_close_to_float64():
     np.testing.assert_allclose(np.asarray(got, np.float64), want, atol=3e-2)
 
 
+@pytest.mark.parametrize("impl", ["reference", "pallas"])
 @pytest.mark.parametrize("kwargs,match", [
     (dict(budget_pages=[2, 5]), "budget_pages must be >= 3"),
     (dict(lengths=[0, 5]), "lengths must be in"),
@@ -182,8 +183,12 @@ def test_bfloat16_cache_close_to_float64():
     (dict(impl="cuda"), "unknown impl"),
     (dict(page_size=8), "page_size=8"),
     (dict(max_budget_pages=4, budget_pages=[9, 3]), "more than max_budget_pages"),
+    (dict(max_budget_pages=2), r"max_budget_pages must be in \[3"),
+    (dict(page_table=np.full((2, 9), 99)), "pages_total"),
+    (dict(centroids=np.zeros((2, 4, 8), np.float32)), "centroids must be"),
 ])
-def test_bad_input_is_named(kwargs, match):
+def test_bad_input_is_named(kwargs, match, impl):
+    """Both implementations check their arguments alike (sparrow_jax.attention.sparse_args)."""
     rng = np.random.default_rng(0)
     q, k, v, table, lengths = _scattered_case(rng, batch=2, hkv=2, r=2, d=8, lengths=[30, 5])
     args = dict(budget_pages=[4, 4], lengths=lengths)
@@ -191,15 +196,48 @@ def test_bad_input_is_named(kwargs, match):
     budgets = jnp.asarray(args.pop("budget_pages"), jnp.int32)
     lens = jnp.asarray(args.pop("lengths"), jnp.int32)
     args.setdefault("page_size", P)
+    args.setdefault("impl", impl)
+    for name in ("page_table", "centroids"):
+        if name in args:
+            args[name] = jnp.asarray(args[name])
+    table = args.pop("page_table", table)
     with pytest.raises(ValueError, match=match):
         sparse_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table), lens,
                       budgets, **args)
 
 
-def test_pallas_not_wired_yet_says_so():
+def test_pallas_kernel_matches_numpy_reference():
+    """impl="pallas": the Pallas kernels (interpreted off GPU, so CPU CI checks them) against the
+    float64 reference, ragged lengths and budgets from the minimum to dense. head_dim 16: the
+    kernels' smallest (matrix-unit tiles)."""
+    rng = np.random.default_rng(21)
+    lengths, budgets = [1, 13, 40, 70], [3, 4, 5, 30]
+    q, k, v, table, lengths = _scattered_case(rng, batch=4, hkv=2, r=3, d=16, lengths=lengths)
+    got = _run(q, k, v, table, lengths, budgets, "centroid", impl="pallas")
+    want = sparse_decode_np(q, k, v, table, lengths, budgets, page_size=P)
+    np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
+
+
+def test_impl_choice(monkeypatch):
+    """auto: the kernels on a GPU where they apply, else the reference."""
+    assert jax.default_backend() != "gpu" or resolve_impl("auto", "centroid", 128, 16) == "pallas"
+    monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
+    assert resolve_impl("auto", "centroid", 128, 16) == "reference"
+    monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+    assert resolve_impl("auto", "centroid", 128, 16) == "reference"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    assert resolve_impl("auto", "centroid", 128, 16) == "pallas"
+    assert resolve_impl("auto", "quest", 128, 16) == "reference"
+    assert resolve_impl("auto", "centroid", 8, 16) == "reference"       # below the kernels' tile
+    assert resolve_impl("auto", "centroid", 96, 16) == "reference"      # not a power of two
+    assert resolve_impl("reference", "centroid", 128, 16) == "reference"
+    assert resolve_impl("pallas", "centroid", 128, 16) == "pallas"
+    with pytest.raises(ValueError, match="head_dim"):
+        resolve_impl("pallas", "centroid", 96, 16)
+
+
+def test_pallas_with_quest_says_so():
     rng = np.random.default_rng(0)
-    q, k, v, table, lengths = _scattered_case(rng, batch=1, hkv=1, r=1, d=8, lengths=[9])
-    with pytest.raises(NotImplementedError, match="pallas"):
-        sparse_decode(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), jnp.asarray(table),
-                      jnp.asarray(lengths), jnp.asarray([3], jnp.int32), page_size=P,
-                      impl="pallas")
+    q, k, v, table, lengths = _scattered_case(rng, batch=1, hkv=1, r=1, d=16, lengths=[9])
+    with pytest.raises(ValueError, match=r"impl='pallas'.*centroid"):
+        _run(q, k, v, table, lengths, [3], "quest", impl="pallas")

@@ -207,14 +207,20 @@ def test_negative_and_zero_scores_order_correctly():
 
 
 def test_zero_length_row_gives_zeros():
+    """Under jit (lengths traced, not checkable) a row of length 0 returns zeros, not NaN; a
+    concrete 0 is rejected, as by sparse_decode."""
     rng = np.random.default_rng(3)
     q, k, v, cent, table, _ = make_case(rng, lengths=[40, 40], hkv=1, r=2, d=64,
                                         dtype=jnp.float32)
-    out = sparse_decode_pallas(q, k, v, table, jnp.asarray([40, 0], jnp.int32),
-                               jnp.asarray([3, 3], jnp.int32), page_size=P, centroids=cent,
-                               interpret=INTERPRET)
-    assert np.isfinite(np.asarray(out)).all()
-    assert (np.asarray(out)[1] == 0).all()
+    fn = jax.jit(lambda lens: sparse_decode_pallas(q, k, v, table, lens,
+                                                   jnp.asarray([3, 3], jnp.int32), page_size=P,
+                                                   centroids=cent, interpret=INTERPRET))
+    out = np.asarray(fn(jnp.asarray([40, 0], jnp.int32)))
+    assert np.isfinite(out).all()
+    assert (out[1] == 0).all()
+    with pytest.raises(ValueError, match="lengths must be in"):
+        sparse_decode_pallas(q, k, v, table, jnp.asarray([40, 0], jnp.int32),
+                             jnp.asarray([3, 3], jnp.int32), page_size=P, interpret=True)
 
 
 def test_centroids_default_to_the_page_means():
@@ -238,6 +244,7 @@ def test_centroids_default_to_the_page_means():
     (dict(budget_pages=jnp.asarray([3, 2], jnp.int32)), ">= 3"),
     (dict(lengths=jnp.asarray([40, 10_000], jnp.int32)), "lengths must be in"),
     (dict(page_table=jnp.full((2, 4), 10_000, jnp.int32)), "pages_total"),
+    (dict(block_pages=3), "block_pages"),
     (dict(budget_pages=jnp.asarray([3, 4], jnp.int32), max_budget_pages=3,
           lengths=jnp.asarray([40, 64], jnp.int32)), "need more than max_budget_pages"),
     (dict(budget_pages=jnp.asarray([3, 4], jnp.int32), max_budget_pages=3,
@@ -255,3 +262,44 @@ def test_bad_input_is_named(change, match):
         return
     with pytest.raises(ValueError, match=match):
         sparse_decode_pallas(**args, interpret=True)
+
+
+def test_decode_step_through_the_kernels(monkeypatch):
+    """decode_step(impl="pallas") on a tiny model: the sparse layer runs the kernels and gives
+    the hidden state of impl="reference" (float32 cache)."""
+    from flax import nnx
+
+    from sparrow_jax.attention import sparse
+    from sparrow_jax.attention.allocator import PageAllocator
+    from sparrow_jax.attention.decode import decode_step, prefill_jit
+    from sparrow_jax.attention.paged_cache import init_cache
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.qwen3 import init_model
+
+    cfg = ModelConfig(vocab_size=ModelConfig.preset("tiny").vocab_size, hidden_size=64,
+                      intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+                      num_key_value_heads=2, head_dim=16)
+    model = init_model(cfg, seed=0)
+    page, lengths = 4, [41, 30]
+    alloc = PageAllocator(60, page, seed=6).allocate(lengths, 1, 2)
+    rng = np.random.default_rng(7)
+    toks = np.zeros((2, max(lengths)), np.int32)
+    for i, n in enumerate(lengths):
+        toks[i, :n] = rng.integers(1, cfg.vocab_size, n)
+    cache = init_cache(cfg, 60, alloc.page_table, page_size=page, dtype=jnp.float32)
+    _, cache = prefill_jit(model, cache, jnp.asarray(toks), jnp.asarray(lengths))
+    kernel_calls = []
+    kernel = sparse.sparse_decode_pallas_checked
+    monkeypatch.setattr(sparse, "sparse_decode_pallas_checked",
+                        lambda *a, **kw: kernel_calls.append(kw) or kernel(*a, **kw))
+    step = nnx.jit(decode_step, static_argnames=("dense_layers", "impl"))   # cache not donated
+    tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, 2).astype(np.int32))
+    budget = jnp.asarray([5, 4], jnp.int32)          # of 11 and 8 pages: sparse
+    got, _ = step(model, cache, tokens, budget_pages=budget, dense_layers=(0,), impl="pallas")
+    assert len(kernel_calls) == 1                    # layer 1 (traced once)
+    assert kernel_calls[0]["interpret"] == (jax.default_backend() != "gpu")
+    want, _ = step(model, cache, tokens, budget_pages=budget, dense_layers=(0,),
+                   impl="reference")
+    assert len(kernel_calls) == 1
+    rel = np.abs(np.asarray(got) - np.asarray(want)).max() / np.abs(np.asarray(want)).max()
+    assert rel < 1e-5, rel

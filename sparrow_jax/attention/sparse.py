@@ -1,8 +1,10 @@
 """Sparse decode attention for one layer over a paged KV cache (DESIGN 3.1, 3.2 and 4).
 
-The reference implementation here defines the semantics; a Pallas kernel (``impl="pallas"``) must
-match it. It is jittable with budgets and lengths as runtime arrays: the number of pages it
-gathers per sequence and KV head is static (``max_budget_pages``, by default the page-table width).
+The reference implementation here defines the semantics; the Pallas kernels (``impl="pallas"``,
+and ``impl="auto"`` on a GPU) match it, and both check their arguments in
+:mod:`sparrow_jax.attention.sparse_args`. Both are jittable with budgets and lengths as runtime
+arrays: the number of pages gathered per sequence and KV head is static (``max_budget_pages``, by
+default the page-table width).
 """
 
 from __future__ import annotations
@@ -11,71 +13,13 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from jax import lax
 
+from pallas_kernels.sparse_decode_gpu import kernel_limits, sparse_decode_pallas_checked
 from sparrow_jax.attention import selection
+from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
 IMPLS = ("auto", "reference", "pallas")
-
-
-def _concrete(x) -> np.ndarray | None:
-    """x as a NumPy array when its value is known now (not a tracer), else None."""
-    try:
-        return np.asarray(x)
-    except (jax.errors.TracerArrayConversionError, jax.errors.ConcretizationTypeError):
-        return None
-
-
-def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                max_budget_pages):
-    if q.ndim != 3:
-        raise ValueError(f"q must be [batch, q_heads, head_dim], got shape {q.shape}")
-    b, hq, d = q.shape
-    if k_pages.ndim != 4 or k_pages.shape != v_pages.shape:
-        raise ValueError("k_pages and v_pages must both be [kv_heads, pages_total, page_size, "
-                         f"head_dim], got {k_pages.shape} and {v_pages.shape}")
-    hkv, _, p, dk = k_pages.shape
-    if p != page_size:
-        raise ValueError(f"k_pages hold pages of {p} tokens but page_size={page_size}")
-    if dk != d:
-        raise ValueError(f"q head_dim {d} != k_pages head_dim {dk}")
-    if hq % hkv:
-        raise ValueError(f"q_heads ({hq}) must be a multiple of kv_heads ({hkv})")
-    if page_table.ndim != 2 or page_table.shape[0] != b:
-        raise ValueError(f"page_table must be [batch={b}, max_pages], got {page_table.shape}")
-    for name, x in (("lengths", lengths), ("budget_pages", budget_pages)):
-        if x.shape != (b,):
-            raise ValueError(f"{name} must be [batch={b}], got shape {x.shape}")
-        if not jnp.issubdtype(x.dtype, jnp.integer):
-            raise ValueError(f"{name} must be integer, got {x.dtype}")
-    if not jnp.issubdtype(page_table.dtype, jnp.integer):
-        raise ValueError(f"page_table must be integer, got {page_table.dtype}")
-    if scorer not in selection.SCORERS:
-        raise ValueError(f"unknown scorer {scorer!r}; expected one of {selection.SCORERS}")
-    m = page_table.shape[1]
-    if max_budget_pages is not None and not (
-            selection.MIN_BUDGET_PAGES <= max_budget_pages <= m):
-        raise ValueError(f"max_budget_pages must be in [{selection.MIN_BUDGET_PAGES}, "
-                         f"page_table width {m}], got {max_budget_pages}")
-    budgets = _concrete(budget_pages)
-    if budgets is not None:
-        if (budgets < selection.MIN_BUDGET_PAGES).any():
-            raise ValueError(f"budget_pages must be >= {selection.MIN_BUDGET_PAGES} (page 0 and "
-                             f"the last two pages are always kept), got {budgets.tolist()}")
-    lens = _concrete(lengths)
-    if lens is not None:
-        if (lens < 1).any() or (lens > m * page_size).any():
-            raise ValueError(f"lengths must be in [1, page_table width x page_size = "
-                             f"{m * page_size}], got {lens.tolist()}")
-        if budgets is not None and max_budget_pages is not None:
-            n = -(-lens // page_size)
-            over = (np.minimum(budgets, n) > max_budget_pages)
-            if over.any():
-                raise ValueError(
-                    f"sequences {np.flatnonzero(over).tolist()} need more than max_budget_pages="
-                    f"{max_budget_pages} pages (budget_pages={budgets.tolist()}, pages in use="
-                    f"{n.tolist()})")
 
 
 def _summaries(k_pages, scorer, centroids, summaries):
@@ -84,18 +28,17 @@ def _summaries(k_pages, scorer, centroids, summaries):
             raise ValueError("scorer='centroid' takes centroids=, not summaries=")
         if centroids is None:
             return (selection.page_centroids(k_pages),)
-        if centroids.shape != k_pages.shape[:2] + k_pages.shape[3:]:
-            raise ValueError(f"centroids must be [kv_heads, pages_total, head_dim] = "
-                             f"{k_pages.shape[:2] + k_pages.shape[3:]}, got {centroids.shape}")
+        check_summary("centroids", centroids, k_pages)
         return (centroids,)
     if centroids is not None:
         raise ValueError("scorer='quest' takes summaries=(kmin, kmax), not centroids=")
     if summaries is None:
         return selection.page_minmax(k_pages)
-    if len(summaries) != 2 or any(s.shape != k_pages.shape[:2] + k_pages.shape[3:]
-                                  for s in summaries):
+    if len(summaries) != 2:
         raise ValueError("summaries must be a pair (kmin, kmax), each [kv_heads, pages_total, "
                          "head_dim]")
+    for name, s in zip(("kmin", "kmax"), summaries):
+        check_summary(f"summaries' {name}", s, k_pages)
     return tuple(summaries)
 
 
@@ -117,8 +60,10 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         (>= 3). A sequence with ``ceil(length / P) <= budget`` attends densely.
       page_size: P.
       scorer: ``"centroid"`` (qbar . page mean of keys) or ``"quest"`` (elementwise min/max bound).
-      impl: ``"reference"`` (pure JAX), ``"pallas"`` (the GPU kernel), ``"auto"`` (the best
-        available; the reference for now).
+      impl: ``"reference"`` (pure JAX, any backend and scorer), ``"pallas"`` (the Pallas
+        kernels of :mod:`pallas_kernels.sparse_decode_gpu`; centroid scorer only, else
+        ValueError; run interpreted off GPU, slowly, so CPU tests check them), ``"auto"`` (the
+        kernels on a GPU where they apply, else the reference: see :func:`resolve_impl`).
       centroids: ``[Hkv, N, D]`` page centroids for ``scorer="centroid"``, computed from the pages
         when None. Only full pages' centroids are read.
       summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``scorer="quest"``; computed when None.
@@ -132,16 +77,38 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                max_budget_pages)
-    if impl == "pallas":
-        raise NotImplementedError(
-            "sparse_decode(impl='pallas'): the Pallas kernel is not wired in yet; use "
-            "impl='reference' or impl='auto'")
+    if scorer not in selection.SCORERS:
+        raise ValueError(f"unknown scorer {scorer!r}; expected one of {selection.SCORERS}")
+    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
+                             page_size=page_size, max_budget_pages=max_budget_pages)
     summ = _summaries(k_pages, scorer, centroids, summaries)
+    if resolve_impl(impl, scorer, q.shape[-1], page_size) == "pallas":
+        return sparse_decode_pallas_checked(
+            q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
+            page_size=page_size, max_budget_pages=max_budget_pages,
+            interpret=jax.default_backend() != "gpu")
     return _reference(q, k_pages, v_pages, page_table, lengths, budget_pages, summ,
                       page_size=page_size, scorer=scorer,
                       max_pages=max_budget_pages or page_table.shape[1])
+
+
+def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int) -> str:
+    """The implementation ``sparse_decode(impl=...)`` runs: ``"pallas"`` or ``"reference"``.
+
+    ``"auto"`` is the Pallas kernel on a GPU (``jax.default_backend() == "gpu"``) where it
+    applies (scorer ``"centroid"``, power-of-two page size and head_dim >= 16), else the
+    reference (CPU, TPU, scorer ``"quest"``). ``"pallas"`` where the kernel does not apply
+    raises ValueError; off GPU it runs interpreted (slow; for tests).
+    """
+    if impl not in IMPLS:
+        raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
+    why = kernel_limits(head_dim, page_size, scorer)
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and why is None else "reference"
+    if impl == "pallas" and why is not None:
+        raise ValueError(f"sparse_decode(impl='pallas'): {why}; use impl='reference' (or "
+                         "'auto', which falls back to it)")
+    return impl
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "scorer", "max_pages"))
