@@ -103,14 +103,16 @@ def _decode_attend(layer, q, k, v, cache: PagedKVCache, *, pos, active, budget_p
                    dense_layers, scorer, impl, max_budget_pages):
     cache = append_token(cache, layer, k[:, 0], v[:, 0], pos, active)
     k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
+    # A finished row's output is discarded: let it read one page, not its whole context.
+    lengths = jnp.where(active, cache.lengths, jnp.minimum(cache.lengths, 1))
     if budget_pages is None or layer in dense_layers:
-        out = paged_attention(q[:, 0], k_pages, v_pages, cache.page_table, cache.lengths)
+        out = paged_attention(q[:, 0], k_pages, v_pages, cache.page_table, lengths)
     else:
         from sparrow_jax.attention.sparse import sparse_decode
 
         quest = scorer == "quest"
         out = sparse_decode(
-            q[:, 0], k_pages, v_pages, cache.page_table, cache.lengths, budget_pages,
+            q[:, 0], k_pages, v_pages, cache.page_table, lengths, budget_pages,
             page_size=cache.page_size, scorer=scorer, impl=impl,
             centroids=None if quest else cache.centroids[layer],
             summaries=(cache.kmin[layer], cache.kmax[layer]) if quest else None,

@@ -60,7 +60,7 @@ class Linear(nnx.Module):
 
     def add_lora(self, rank: int, scale: float, key: jax.Array, param_dtype=jnp.float32):
         """Attaches a LoRA adapter; B starts at zero so the adapted layer starts equal to the base."""
-        in_features, out_features = self.kernel.value.shape
+        in_features, out_features = self.kernel[...].shape
         self.lora_a = LoRAParam(
             jax.random.normal(key, (in_features, rank), param_dtype) * in_features ** -0.5)
         self.lora_b = LoRAParam(jnp.zeros((rank, out_features), param_dtype))
@@ -68,21 +68,21 @@ class Linear(nnx.Module):
 
     def __call__(self, x: jax.Array, *, lora: bool = False) -> jax.Array:
         x = x.astype(self.dtype)
-        y = x @ self.kernel.value.astype(self.dtype)
+        y = x @ self.kernel[...].astype(self.dtype)
         if self.bias is not None:
-            y = y + self.bias.value.astype(self.dtype)
+            y = y + self.bias[...].astype(self.dtype)
         if lora and self.lora_a is not None:
-            down = x @ self.lora_a.value.astype(self.dtype)
-            y = y + (self.lora_scale * (down @ self.lora_b.value.astype(self.dtype))).astype(y.dtype)
+            down = x @ self.lora_a[...].astype(self.dtype)
+            y = y + (self.lora_scale * (down @ self.lora_b[...].astype(self.dtype))).astype(y.dtype)
         return y
 
 
 def attach_lora(model: nnx.Module, config: LoRAConfig, key: jax.Array) -> nnx.Module:
     """Adds adapters to every targeted :class:`Linear` of ``model`` in place and returns it."""
-    targets = [(path, m) for path, m in model.iter_modules()
+    targets = [(path, m) for path, m in nnx.iter_modules(model)
                if isinstance(m, Linear) and path and path[-1] in config.targets]
     if not targets:
         raise ValueError(f"no linear layer of the model matches LoRA targets {config.targets}")
     for (path, layer), k in zip(targets, jax.random.split(key, len(targets))):
-        layer.add_lora(config.rank, config.scale, k, layer.kernel.value.dtype)
+        layer.add_lora(config.rank, config.scale, k, layer.kernel[...].dtype)
     return model

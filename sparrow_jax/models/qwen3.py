@@ -37,7 +37,7 @@ class RMSNorm(nnx.Module):
         dtype = x.dtype
         x32 = x.astype(jnp.float32)
         x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight.value.astype(dtype) * x32.astype(dtype)
+        return self.weight[...].astype(dtype) * x32.astype(dtype)
 
 
 class Attention(nnx.Module):
@@ -116,10 +116,10 @@ class Qwen3(nnx.Module):
     def head_weight(self) -> jax.Array:
         """The LM head as ``[vocab, hidden]`` (the embedding when tied), in the compute dtype."""
         w = self.embed_tokens if self.lm_head is None else self.lm_head
-        return w.value.astype(self.dtype)
+        return w[...].astype(self.dtype)
 
     def embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_tokens.value, tokens, axis=0).astype(self.dtype)
+        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
 
     def forward(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                 attend: AttendFn = causal_attend, state: Any = None, lora: bool = False,

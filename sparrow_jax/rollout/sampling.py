@@ -60,7 +60,13 @@ def truncate(logp: jax.Array, top_k: int, top_p: float) -> jax.Array:
 
 def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """logits ``[B, V]`` -> (token ``[B]`` int32, its untruncated log-prob ``[B]`` float32)."""
-    logp = scaled_log_softmax(logits, params.temperature)
+    return sample_from_logprobs(key, scaled_log_softmax(logits, params.temperature), params)
+
+
+def sample_from_logprobs(key: jax.Array, logp: jax.Array,
+                         params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+    """``logp [B, V] = scaled_log_softmax(logits, T)`` -> (token ``[B]`` int32, ``logp`` at the
+    token ``[B]``). For callers that also keep ``logp`` (its top-k, its entropy)."""
     if params.greedy:
         token = jnp.argmax(logp, axis=-1)
     else:
