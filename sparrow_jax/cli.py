@@ -6,7 +6,8 @@ Each subcommand lives in its own module, registered in :data:`SUBCOMMANDS` as
 ``sparrow --help`` stays fast. A subcommand whose module is ``None`` is not implemented yet.
 
 Every subcommand takes ``--config FILE.yaml``: its keys are the subcommand's long options
-(``max_new_tokens: 64``); options given on the command line override the file.
+(``max_new_tokens: 64``); options given on the command line override the file. A module that
+sets ``CONFIG_IS_RUN_CONFIG = True`` (``train``) reads the file itself, as its run config.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from typing import Sequence
 SUBCOMMANDS: dict[str, tuple[str, str | None]] = {
     "generate": ("sample text from an HF model folder or a randomly initialised preset",
                  "sparrow_jax.commands.generate"),
-    "train": ("GRPO training with sparse rollouts", None),
+    "train": ("GRPO training with sparse rollouts and dense recomputation",
+              "sparrow_jax.commands.train"),
+    "plot": ("PNG curves of a training run's metrics", "sparrow_jax.commands.plot"),
     "calibrate": ("measure acceptance rates and search a budget schedule", None),
     "bench": ("benchmark sparse decode and rollouts", None),
 }
@@ -73,11 +76,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     sub = subs[args.command]
     try:
-        if args.config is not None:
+        module = SUBCOMMANDS[args.command][1]
+        own_config = module is not None and getattr(importlib.import_module(module),
+                                                    "CONFIG_IS_RUN_CONFIG", False)
+        if args.config is not None and not own_config:
             # Values from the file become defaults; a second parse lets the command line win.
             sub.set_defaults(**_config_defaults(sub, args.config))
             args = parser.parse_args(argv)
-        module = SUBCOMMANDS[args.command][1]
         if module is None:
             print(f"sparrow {args.command}: not yet implemented in this version",
                   file=sys.stderr)

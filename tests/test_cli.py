@@ -11,12 +11,10 @@ from flax import nnx
 from conftest import hf_case
 
 from sparrow_jax.cli import SUBCOMMANDS, main
-from sparrow_jax.commands.generate import generate_ids
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.hf_io import load_qwen3
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.models.tokenizer import load_tokenizer
-from sparrow_jax.rollout.sampling import SamplingParams
 
 CHAT = str(hf_case("chat")["path"])
 
@@ -86,14 +84,70 @@ def test_top_k_one_sampling_equals_greedy_and_seed_reproducible(capsys):
     assert sampled[0] == sampled[1]
 
 
-def test_generation_stops_at_eos():
-    model, _ = load_qwen3(CHAT)
-    greedy = SamplingParams(temperature=0.0)
-    free = generate_ids(model, [1, 2, 3], max_new_tokens=4, sampling=greedy).ids
-    assert len(free) == 4
-    stopped = generate_ids(model, [1, 2, 3], max_new_tokens=4, sampling=greedy,
-                           eos_ids=[free[1]]).ids
-    assert stopped == free[:free.index(free[1]) + 1]
+def test_stop_sequence_ends_the_response(capsys):
+    base = ("generate", "--preset", "tiny", "--prompt-ids", "5,17,3", "--max-new-tokens", "6",
+            "--ids")
+    free = _ids(_run(capsys, *base)[1])
+    if 0 in free[:-1]:  # the preset's EOS would end it first
+        free = free[:free.index(0) + 1]
+    assert len(free) >= 3
+    stop = free[1:3]
+    rc, out, _ = _run(capsys, *base, "--stop", ",".join(map(str, stop)))
+    assert rc == 0
+    first = next(j for j in range(1, len(free)) if free[j - 1:j + 1] == stop)
+    assert _ids(out) == free[:first + 1]
+
+
+def test_sparse_schedule_and_samples(capsys, tmp_path):
+    """Greedy samples of one prompt are identical; a budget of 3 pages of 4 over a 40-token
+    prompt really runs sparse (and the CLI says so)."""
+    from sparrow_jax.schedule import BudgetSchedule
+
+    sched = tmp_path / "sched.yaml"
+    sched.write_text(BudgetSchedule.fixed(3, page_size=4).to_yaml())
+    prompt = ",".join(str(5 + i % 200) for i in range(40))
+    rc, out, err = _run(capsys, "generate", "--preset", "tiny", "--prompt-ids", prompt,
+                        "--max-new-tokens", "4", "--ids", "-n", "3", "--schedule", str(sched),
+                        "--page-size", "4", "--dense-layers", "0")
+    assert rc == 0, err
+    rows = out.strip().splitlines()
+    assert len(rows) == 3 and len(set(rows)) == 1
+    assert "100% of steps sparse" in err or "75% of steps sparse" in err, err
+    rc, _, err = _run(capsys, "generate", "--preset", "tiny", "--prompt-ids", prompt,
+                      "--schedule", str(sched))
+    assert rc == 2 and "pages of 4 tokens" in err
+
+
+def test_train_then_plot(capsys, tmp_path):
+    """``sparrow train`` with the real engine (sparse past layer 0), then ``sparrow plot``."""
+    import yaml
+
+    cfg = {
+        "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 0, "reward": "reverse",
+        "model": {"hf_config": {**ModelConfig.preset("tiny").to_hf_dict(), "vocab_size": 24,
+                                "num_hidden_layers": 2}},
+        "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 2, "max_len": 4},
+                 "num_train": 8, "num_eval": 2, "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2, "max_new_tokens": 6,
+                    "engine": {"page_size": 4, "dense_layers": [0]}},
+        "schedule": {"kind": "fixed", "pages": 3, "page_size": 4},
+        "update": {"micro_batch_size": 4, "length_multiple": 16},
+        "mismatch": {"min_count": 1},
+        "checkpoint_every": 2, "eval_every": 2, "eval_samples": 1,
+        "tensorboard": False, "progress": False,
+    }
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    rc, out, err = _run(capsys, "train", "--config", str(path))
+    assert rc == 0, err
+    assert "done: 2 steps" in out
+    lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
+    assert len(lines) == 2
+    rc, out, err = _run(capsys, "plot", str(tmp_path / "run"))
+    assert rc == 0, err
+    assert any(p.endswith("reward.png") for p in out.split())
+    rc, _, err = _run(capsys, "plot", str(tmp_path))
+    assert rc == 2 and "no metrics.jsonl" in err
 
 
 def test_config_file_and_command_line_override(capsys, tmp_path):
@@ -115,7 +169,9 @@ def test_config_file_and_command_line_override(capsys, tmp_path):
 @pytest.mark.parametrize("argv, message", [
     (["--preset", "tiny", "--model", CHAT, "--prompt-ids", "1"], "exactly one of --model"),
     (["--preset", "tiny"], "exactly one of --prompt"),
-    (["--preset", "tiny", "--prompt", "hi"], "needs a tokenizer"),
+    (["--preset", "tiny", "--prompt", "hi"], "need a tokenizer"),
+    (["--preset", "tiny", "--prompt-ids", "1", "--schedule", "nope"], "neither"),
+    (["--preset", "tiny", "--prompt-file", "/no/file"], "does not exist"),
     (["--preset", "tiny", "--prompt-ids", "1,x"], "comma-separated integers"),
     (["--preset", "tiny", "--prompt-ids", "1,256"], "out of range [0, 256)"),
     (["--preset", "nonexistent", "--prompt-ids", "1"], "unknown model preset"),
@@ -127,7 +183,7 @@ def test_generate_errors(capsys, argv, message):
     assert rc == 2 and message in err, err
 
 
-@pytest.mark.parametrize("command", ["train", "calibrate", "bench"])
+@pytest.mark.parametrize("command", ["calibrate", "bench"])
 def test_unimplemented_subcommands(capsys, command):
     assert SUBCOMMANDS[command][1] is None
     rc, _, err = _run(capsys, command)

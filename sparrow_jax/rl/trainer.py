@@ -13,7 +13,6 @@ config's sampling settings and budget schedule.
 
 from __future__ import annotations
 
-import argparse
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -26,7 +25,7 @@ from flax import nnx
 from sparrow_jax.config import ConfigError, from_dict, to_dict
 from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
 from sparrow_jax.rl.advantages import group_advantages
-from sparrow_jax.rl.config import ModelSpec, TrainConfig, load_train_config
+from sparrow_jax.rl.config import ModelSpec, TrainConfig
 from sparrow_jax.rl.recompute import DenseStats, recompute
 from sparrow_jax.rl.rewards import get_reward, score_batch
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
@@ -300,21 +299,4 @@ def train(config: TrainConfig, *, resume: bool = False,
     """Runs GRPO for ``config.steps`` steps (from the latest checkpoint with ``resume``)."""
     Path(config.run_dir).mkdir(parents=True, exist_ok=True)
     return Trainer(config, rollout_fn).run(resume=resume)
-
-
-def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--resume", action="store_true",
-                        help="continue from the latest checkpoint in the run folder")
-
-
-def main_train(args: argparse.Namespace) -> int:
-    """``sparrow train --config X.yaml [--resume]``."""
-    if args.config is None:
-        raise ConfigError("sparrow train needs --config FILE.yaml (a TrainConfig)")
-    config = load_train_config(args.config)
-    result = train(config, resume=bool(getattr(args, "resume", False)))
-    last = result.history[-1] if result.history else {}
-    print(f"done: {config.steps} steps in {config.run_dir}; last reward_mean="
-          f"{last.get('reward_mean', float('nan')):.4f}")
-    return 0
 

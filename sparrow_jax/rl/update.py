@@ -164,7 +164,7 @@ def _apply(optimizer, params, opt_state, grads):
 
 @jax.jit
 def _global_norm(grads):
-    return optax.global_norm(grads)
+    return optax.tree.norm(grads)
 
 
 class PolicyUpdater:
