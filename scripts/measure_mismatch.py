@@ -331,11 +331,15 @@ def plot(result: dict, alphas: dict[str, dict[str, np.ndarray]], mask, out_dir: 
     cols = min(len(labels), 3)
     rows = -(-len(labels) // cols)
     fig, axes = plt.subplots(rows, cols, figsize=(4 * cols, 2.8 * rows), squeeze=False)
-    hist_bins = np.linspace(0.0, 1.0, 51)
+    # One range for every panel, from the lowest alpha of any estimator (in steps of 0.05) to 1.
+    low = min(float(x[mask].min()) for d in alphas.values() for x in d.values())
+    hist_bins = np.linspace(max(0.0, math.floor(low * 20) / 20), 1.0, 51)
     for ax, b in zip(axes.ravel(), result["budgets"]):
-        for name, style in (("exact", "stepfilled"), ("paper", "step")):
-            ax.hist(alphas[b["label"]][name][mask], bins=hist_bins, histtype=style,
-                    alpha=0.6 if style == "stepfilled" else 1.0, label=name)
+        for name in ESTIMATORS:
+            filled = name == "exact"
+            ax.hist(alphas[b["label"]][name][mask], bins=hist_bins,
+                    histtype="stepfilled" if filled else "step", alpha=0.6 if filled else 1.0,
+                    label=name)
         ax.set_yscale("log")
         ax.set_title(f"budget {b['label']}: mean {b['mean']['exact']:.3f}, "
                      f"sparse {b['sparse_fraction']:.0%}", fontsize=9)

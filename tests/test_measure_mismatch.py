@@ -44,7 +44,7 @@ def run(tmp_path_factory):
         "--budgets", f"3,{BIG}", "--page-size", str(P), "--dense-layers", "0",
         "--bin-tokens", "16", "--min-count", "4", "--max-new-tokens", str(MAX_NEW),
         "--num-prompts", "3", "--n", "2", "--batch-size", "4", "--top-k", "8",
-        "--out", str(out), "--no-progress", "--no-plots"])
+        "--out", str(out), "--no-progress"])
     return result, out
 
 
@@ -57,6 +57,8 @@ def test_json_structure(run):
     num_bins = on_disk["config"]["num_bins"]
     assert num_bins == len(on_disk["bins"]) == -(-(PROMPT_LEN[1] + MAX_NEW) // 16)
     assert on_disk["dense_logprob_check_max_abs_diff"] < 1e-4
+    for name in ("alpha_tail.png", "alpha_hist.png"):
+        assert (out / name).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     for b in on_disk["budgets"]:
         assert b["schedule"]["kind"] == "fixed"
         assert sum(b["counts"]) == b["tokens"] == 6 * MAX_NEW     # no EOS stop by default
