@@ -469,15 +469,16 @@ def main(argv=None) -> dict:
 
 def print_table(result: dict) -> None:
     bins = result["bins"]
+    check = result["dense_logprob_check_max_abs_diff"]
     print(f"{result['sequences']} sequences, prompts {result['prompt_lengths']}, responses "
-          f"{result['response_lengths']}; dense log-prob check {result['dense_logprob_check_max_abs_diff']:.1e}")
-    head = "budget  sparse  mean(exact/bound/paper)   " + " ".join(
-        f"{b['start']:>5}" for b in bins)
-    print(head)
+          f"{result['response_lengths']}; dense log-prob check {check:.1e}")
+    w = max(6, *(len(b["label"]) for b in result["budgets"]))
+    print(f"{'budget':>{w}}  sparse  mean(exact/bound/paper)   " + " ".join(
+        f"{b['start']:>5}" for b in bins))
     for b in result["budgets"]:
         tails = " ".join("    -" if v is None else f"{v:5.3f}" for v in b["tail"]["exact"])
         m = b["mean"]
-        print(f"{b['label']:>6}  {b['sparse_fraction']:5.0%}   {m['exact']:.3f}/"
+        print(f"{b['label']:>{w}}  {b['sparse_fraction']:5.0%}   {m['exact']:.3f}/"
               f"{m['topk_bound']:.3f}/{m['paper']:.3f}       {tails}")
     print("(per-bin columns: 5th percentile of exact alpha; bins by step length, tokens)")
 
