@@ -53,20 +53,27 @@ def _order_key(score: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
-    """q ``[Rpad, D]`` (the group's heads, zero rows past ``group``), centroids ``[N, D]`` (this
-    KV head), table ``[C]`` (this chunk of slots), length ``[1]`` -> keys ``[C]`` int32."""
-    c = pl.program_id(2)
-    n = (len_ref[0] + page_size - 1) // page_size
+def _score_chunk(q_ref, cent_ref, table, n, c, *, chunk, group):
+    """Keys ``[C]`` int32 of slots ``c*C .. c*C+C-1``: q ``[Rpad, D]`` (the group's heads, zero
+    rows past ``group``), centroids ``[N, D]`` (this KV head), table ``[C]`` (those slots), n
+    pages in use."""
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
     # Ineligible slots read page 0's centroid (one cached row) instead of a stray one.
-    phys = jnp.where(eligible, table_ref[...], jnp.int32(0))
+    phys = jnp.where(eligible, table, jnp.int32(0))
     cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
     qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group          # [D]
     score = jnp.sum(cent * qbar[None, :], axis=1)
-    key_ref[...] = jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
+    return jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
+
+
+def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
+    """Grid (B, Hkv, Mpad / C): table ``[C]`` (this chunk of slots), length ``[1]`` -> keys
+    ``[C]``."""
+    c = pl.program_id(2)
+    n = (len_ref[0] + page_size - 1) // page_size
+    key_ref[...] = _score_chunk(q_ref, cent_ref, table_ref[...], n, c, chunk=chunk, group=group)
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -75,32 +82,75 @@ def _count(mask: jax.Array) -> jax.Array:
 
 def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
                    page_size, max_pages, slot_bits, radix_bits):
-    """keys ``[Mpad]``, table ``[Mpad]``, length, budget -> page list (physical and logical,
-    each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page, the second half is
-    never written on GPU) and the count ``[1]``."""
-    mpad = key_ref.shape[0]
-    kpad = phys_ref.shape[0] // 2
-    keys = key_ref[...]
-    idx = lax.broadcasted_iota(jnp.int32, (mpad,), 0)
+    """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list of
+    :func:`_select_row`."""
     n = (len_ref[0] + page_size - 1) // page_size
-    budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
+    _select_row(key_ref[...], table_ref[...], n, budget_ref[0], phys_ref, slot_ref, count_ref,
+                max_pages=max_pages, slot_bits=slot_bits, radix_bits=radix_bits)
+
+
+def _score_select_kernel(q_ref, cent_ref, table_ref, len_ref, budget_ref, _arrived_in,
+                         key_ref, phys_ref, slot_ref, count_ref, arrived_ref, *, page_size,
+                         chunk, group, max_pages, slot_bits, radix_bits, interpret):
+    """Scoring and selection in one launch. Grid (Mpad / C, B, Hkv), chunks fastest so that a
+    row's chunks run together: each program scores its chunk into the row's keys ``[Mpad]``
+    (global memory), then counts itself in ``arrived`` (an atomic add, zero on entry); the
+    program that arrives last reads the whole row back and selects (:func:`_select_row`)
+    while other rows are still being scored."""
+    c = pl.program_id(0)
+    chunks = pl.num_programs(0)
+    n = (len_ref[0] + page_size - 1) // page_size
+    key_ref[pl.ds(c * chunk, chunk)] = _score_chunk(
+        q_ref, cent_ref, table_ref[pl.ds(c * chunk, chunk)], n, c, chunk=chunk, group=group)
+    if not interpret:
+        # Every thread's key stores precede the (release) atomic, issued by one thread. The
+        # interpreter runs programs one after another: nothing to order.
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(arrived_ref, (jnp.int32(0),), jnp.int32(1))
+
+    @pl.when(arrived == chunks - 1)
+    def _():
+        # The other programs' keys: volatile loads go to L2, never to a stale L1 line (jax
+        # 0.11.2 rejects cache_modifier=".cg").
+        keys = key_ref[...] if interpret else plgpu.load(key_ref, volatile=True)
+        _select_row(keys, table_ref[...], n, budget_ref[0], phys_ref, slot_ref, count_ref,
+                    max_pages=max_pages, slot_bits=slot_bits, radix_bits=radix_bits)
+
+
+def _select_row(keys, table, n, budget, phys_ref, slot_ref, count_ref, *, max_pages, slot_bits,
+                radix_bits):
+    """One (sequence, KV head): keys ``[Mpad]`` (:func:`_score_chunk`), table ``[Mpad]``, n
+    pages in use, budget -> the page list (physical and logical, each ``[2 * Kpad]``: entries
+    ``count .. Kpad-1`` repeat the last page, the second half is never written on GPU) and the
+    count ``[1]``."""
+    mpad = keys.shape[0]
+    kpad = phys_ref.shape[0] // 2
+    idx = lax.broadcasted_iota(jnp.int32, (mpad,), 0)
+    budget = jnp.clip(budget, RESERVED, max_pages)
     k = budget - RESERVED
 
     # Largest T with #(keys >= T) >= k, built from the sign bit down, `radix_bits` bits per
-    # round: each round counts the keys at or above the 2**radix_bits candidates in one
-    # reduction. count(keys >= t) >= k holds throughout. Ineligible keys are INT_MIN and every
-    # candidate is larger, so they are never counted; k = 0 gives T = INT_MAX, nothing chosen.
+    # round, each round one reduction: count(keys >= t) >= k holds throughout, so a one-bit
+    # round counts only the candidate with the bit set; wider rounds count all 2**radix_bits
+    # candidates at once. Ineligible keys are INT_MIN and every candidate is larger, so they
+    # are never counted; k = 0 gives T = INT_MAX, nothing chosen.
     # (Python loops: unrolled, fixed trip counts.)
     t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
     hi = 31
     while hi > 0:
         width = min(radix_bits, hi)
         shift = hi - width
-        cands = t | lax.shift_left(lax.broadcasted_iota(jnp.int32, (1 << width, 1), 0), shift)
-        counts = jnp.sum((keys[None, :] >= cands).astype(jnp.int32), axis=1)
-        # Counts fall as candidates rise: the last one still >= k is the digit.
-        digit = jnp.sum((counts >= k).astype(jnp.int32)) - 1
-        t = t | lax.shift_left(digit, shift)
+        if width == 1:
+            cand = t | jnp.int32(1 << shift)
+            t = jnp.where(_count(keys >= cand) >= k, cand, t)
+        else:
+            # All 2**width digits (Triton shapes are powers of two), digit 0 included.
+            digits = lax.broadcasted_iota(jnp.int32, (1 << width, 1), 0)
+            cands = t | lax.shift_left(digits, shift)
+            counts = jnp.sum((keys[None, :] >= cands).astype(jnp.int32), axis=1)
+            # Counts fall as candidates rise: the last one still >= k is the digit.
+            digit = jnp.sum((counts >= k).astype(jnp.int32)) - 1
+            t = t | lax.shift_left(digit, shift)
         hi = shift
     above = keys > t
     need = k - _count(above)                     # how many keys equal to t to take, >= 0
@@ -127,10 +177,10 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     # carry the last page, so entries past the count repeat it (the attention kernel reads whole
     # blocks of entries; a repeated page comes from cache, not memory). Ranks are distinct; those
     # past the list go to the junk half of the buffer with their stores masked off.
-    table = table_ref[...]
     sel_i = sel.astype(jnp.int32)
+    upto = jnp.cumsum(sel_i)                     # chosen slots at or below each slot
     total = jnp.sum(sel_i)
-    rank = jnp.where(sel, jnp.cumsum(sel_i) - 1, total + jnp.cumsum(1 - sel_i) - 1)
+    rank = jnp.where(sel, upto - 1, total + idx - upto)
     last = jnp.maximum(n - 1, 0)
     last_phys = jnp.sum(jnp.where(idx == last, table, jnp.int32(0)))
     keep = rank < kpad
@@ -186,6 +236,48 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     l_ref[...] = l
 
 
+def _merge(o, m, l, o_j, m_j, l_j):
+    """Two partial softmax results (unnormalised output, max, sum) -> their union's. Empty ones
+    (l = 0, m = the mask value) drop out."""
+    m_new = jnp.maximum(m, m_j)
+    a, b = jnp.exp(m - m_new), jnp.exp(m_j - m_new)
+    return a[:, None] * o + b[:, None] * o_j, m_new, a * l + b * l_j
+
+
+def _normalise(o, l):
+    """o / l, and zeros for a row with no tokens at all (length 0, padding)."""
+    return jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+
+
+def _attend_merge_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
+                         _arrived_in, o_ref, m_ref, l_ref, out_ref, arrived_ref, *, page_size,
+                         block_pages, splits, scale, interpret):
+    """:func:`_attend_kernel` with the split merge inside: each split writes its partial result
+    into the row's ``[S, ...]`` buffers and counts itself in ``arrived`` (an atomic add, zero on
+    entry); the split that arrives last merges the S partials and writes the normalised output
+    ``[Rpad, D]`` in q's dtype."""
+    s = pl.program_id(2)
+    _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
+                   o_ref.at[s], m_ref.at[s], l_ref.at[s], page_size=page_size,
+                   block_pages=block_pages, splits=splits, scale=scale)
+    if not interpret:
+        plgpu.debug_barrier()    # every thread's stores precede the (release) atomic
+    arrived = plgpu.atomic_add(arrived_ref, (jnp.int32(0),), jnp.int32(1))
+
+    @pl.when(arrived == splits - 1)
+    def _():
+        # The other splits' partials: volatile loads go to L2, never to a stale L1 line.
+        ld = ((lambda ref: ref[...]) if interpret
+              else (lambda ref: plgpu.load(ref, volatile=True)))
+        rpad, d = out_ref.shape
+        init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
+                jnp.zeros((rpad,), jnp.float32))
+        o, _, l = lax.fori_loop(
+            0, splits, lambda j, c: _merge(*c, ld(o_ref.at[j]), ld(m_ref.at[j]),
+                                           ld(l_ref.at[j])), init)
+        out_ref[...] = _normalise(o, l).astype(out_ref.dtype)
+
+
 def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
                   block_pages: int | None = None) -> str | None:
     """Why the kernels cannot run a case (None when they can): they score page centroids only,
@@ -233,7 +325,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          max_budget_pages: int | None = None, block_pages: int | None = None,
                          splits: int | None = None, score_chunk: int = 64,
                          select_warps: int = 4, radix_bits: int = 1, num_warps: int = 4,
-                         num_stages: int = 2,
+                         num_stages: int = 2, fuse_select: bool = False,
+                         merge_in_kernel: bool = False,
                          interpret: bool = False) -> jax.Array:
     """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
 
@@ -261,6 +354,10 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       select_warps: Triton warps of the selection kernel.
       radix_bits: bits of the threshold decided per counting round of the selection.
       num_warps, num_stages: Triton settings of the attention kernel.
+      fuse_select: score and select in one launch, the last scoring program of each row
+        selecting (:func:`_score_select_kernel`); else two kernels.
+      merge_in_kernel: the last split of each row merges the splits' partial results
+        (:func:`_attend_merge_kernel`); else XLA merges them.
       interpret: run the kernels in Pallas' interpreter (CPU tests).
 
     Arguments are checked as by ``sparse_decode`` (:mod:`sparrow_jax.attention.sparse_args`),
@@ -277,13 +374,15 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_budget_pages=max_budget_pages, block_pages=block_pages, splits=splits,
         score_chunk=score_chunk, select_warps=select_warps, radix_bits=radix_bits,
-        num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+        num_warps=num_warps, num_stages=num_stages, fuse_select=fuse_select,
+        merge_in_kernel=merge_in_kernel, interpret=interpret)
 
 
 def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, lengths,
                                  budget_pages, *, page_size, max_budget_pages=None,
                                  block_pages=None, splits=None, score_chunk=64, select_warps=4,
-                                 radix_bits=1, num_warps=4, num_stages=2, interpret=False):
+                                 radix_bits=1, num_warps=4, num_stages=2, fuse_select=False,
+                                 merge_in_kernel=False, interpret=False):
     """:func:`sparse_decode_pallas` for arguments its caller has already checked (as
     ``sparse_decode`` does) and given centroids: no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
@@ -296,6 +395,7 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, len
                           page_size=page_size, max_pages=max_pages, block_pages=block_pages,
                           splits=splits, score_chunk=score_chunk, select_warps=select_warps,
                           radix_bits=radix_bits, num_warps=num_warps, num_stages=num_stages,
+                          fuse_select=fuse_select, merge_in_kernel=merge_in_kernel,
                           interpret=interpret)
 
 
@@ -316,34 +416,80 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages, *, page_size,
-                      max_pages,
-                      score_chunk=64, block_pages=4, select_warps=4, radix_bits=1,
-                      interpret=False):
+                      max_pages, score_chunk=64, block_pages=4, select_warps=4, radix_bits=1,
+                      fuse_select=False, interpret=False):
     """Scoring and selection kernels: q_pad ``[B, Hkv, Rpad, D]`` (:func:`pad_heads`) holding
     ``group`` query heads per KV head, centroids ``[Hkv, N, D]``, page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, Kpad]``,
     slots ``[B, Hkv, Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each (sequence,
     KV head) in page order, as physical pages and as slots of the sequence; entries from count
-    on repeat the last page."""
+    on repeat the last page. ``fuse_select``: one launch (:func:`_score_select_kernel`), the
+    last-arriving scoring program of each row selects; else two kernels."""
     b, hkv, rpad, d = q_pad.shape
     n_total = centroids.shape[1]
     mpad, kpad = _dims(page_table, max_pages, score_chunk, block_pages)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    row = pl.BlockSpec((1,), lambda bi, hi, *_: (bi,))
+    if fuse_select:
+        list_shapes = [jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
+                       jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
+                       jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)]
+        row = pl.BlockSpec((1,), lambda ci, bi, hi: (bi,))
+        per_row = lambda width: pl.BlockSpec((None, None, width), lambda ci, bi, hi: (bi, hi, 0))
+        outs = pl.pallas_call(
+            functools.partial(_score_select_kernel, page_size=page_size, chunk=score_chunk,
+                              group=group, max_pages=max_pages,
+                              slot_bits=int(math.log2(mpad)),
+                              radix_bits=radix_bits, interpret=interpret),
+            grid=(mpad // score_chunk, b, hkv),
+            in_specs=[pl.BlockSpec((None, None, rpad, d), lambda ci, bi, hi: (bi, hi, 0, 0)),
+                      pl.BlockSpec((None, n_total, d), lambda ci, bi, hi: (hi, 0, 0)),
+                      pl.BlockSpec((None, mpad), lambda ci, bi, hi: (bi, 0)),
+                      row, row, per_row(1)],
+            out_specs=[per_row(mpad), per_row(2 * kpad), per_row(2 * kpad), per_row(1),
+                       per_row(1)],
+            out_shape=[jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32), *list_shapes,
+                       jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
+            input_output_aliases={5: 4},
+            compiler_params=plgpu.CompilerParams(num_warps=select_warps, num_stages=1),
+            interpret=interpret, name="sparse_decode_score_select",
+        )(q_pad, centroids, table, lengths, budget_pages, jnp.zeros((b, hkv, 1), jnp.int32))
+        return tuple(outs[1:4])
 
-    keys = pl.pallas_call(
+    keys = score_keys(q_pad, group, centroids, table, lengths, page_size=page_size,
+                      score_chunk=score_chunk, interpret=interpret)
+    return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
+                            max_pages=max_pages, kpad=kpad, select_warps=select_warps,
+                            radix_bits=radix_bits, interpret=interpret)
+
+
+def score_keys(q_pad, group, centroids, table, lengths, *, page_size, score_chunk=64,
+               interpret=False):
+    """The scoring kernel alone: table ``[B, Mpad]`` (padded, :func:`_dims`) -> keys
+    ``[B, Hkv, Mpad]`` int32 (:func:`_score_chunk`)."""
+    b, hkv, rpad, d = q_pad.shape
+    n_total = centroids.shape[1]
+    mpad = table.shape[1]
+    return pl.pallas_call(
         functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk, group=group),
         grid=(b, hkv, mpad // score_chunk),
         in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, ci: (bi, hi, 0, 0)),
                   pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
                   pl.BlockSpec((None, score_chunk), lambda bi, hi, ci: (bi, ci)),
-                  row],
+                  pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
         out_specs=pl.BlockSpec((None, None, score_chunk), lambda bi, hi, ci: (bi, hi, ci)),
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
     )(q_pad, centroids, table, lengths)
 
+
+def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
+                     select_warps=4, radix_bits=1, interpret=False):
+    """The selection kernel alone: keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]`` -> the lists of
+    :func:`select_page_lists`."""
+    b, hkv, mpad = keys.shape
+    row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
+    out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
     return pl.pallas_call(
         functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
                           slot_bits=int(math.log2(mpad)), radix_bits=radix_bits),
@@ -351,9 +497,7 @@ def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
                   row, row],
-        out_specs=[pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0)),
-                   pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0)),
-                   pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))],
+        out_specs=[out(), out(), pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
                    jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
                    jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
@@ -364,33 +508,55 @@ def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages
 
 def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths, *,
                       page_size, block_pages, splits, num_warps=4, num_stages=2,
-                      interpret=False):
+                      merge_in_kernel=False, interpret=False):
     """Attention kernel and split merge: q_pad ``[B, Hkv, Rpad, D]`` with ``group`` real heads,
     pages ``[Hkv, N, P, D]``, the lists of :func:`select_page_lists`, lengths ``[B]`` ->
-    ``[B, Hkv * group, D]`` in q's dtype."""
+    ``[B, Hkv * group, D]`` in q's dtype. The S partial results of a row are merged by its
+    last split (``merge_in_kernel``) or in XLA."""
     b, hkv, rpad, d = q_pad.shape
     n_total = k_pages.shape[1]
     r = group
     kpad = phys.shape[-1]
     pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
     list_spec = pl.BlockSpec((None, None, kpad), lambda bi, hi, si: (bi, hi, 0))
+    in_specs = [pl.BlockSpec((None, None, rpad, d), lambda bi, hi, si: (bi, hi, 0, 0)),
+                pages_spec, pages_spec, list_spec, list_spec,
+                pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
+                pl.BlockSpec((1,), lambda bi, hi, si: (bi,))]
+    part_shapes = [jax.ShapeDtypeStruct((b, hkv, splits, rpad, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32)]
+    params = plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages)
+    kw = dict(page_size=page_size, block_pages=block_pages, splits=splits, scale=d ** -0.5)
+
+    if merge_in_kernel:
+        row = lambda *blk: pl.BlockSpec((None, None, *blk),
+                                        lambda bi, hi, si: (bi, hi) + (0,) * len(blk))
+        outs = pl.pallas_call(
+            functools.partial(_attend_merge_kernel, interpret=interpret, **kw),
+            grid=(b, hkv, splits),
+            in_specs=[*in_specs, row(1)],
+            out_specs=[row(splits, rpad, d), row(splits, rpad), row(splits, rpad),
+                       row(rpad, d), row(1)],
+            out_shape=[*part_shapes, jax.ShapeDtypeStruct((b, hkv, rpad, d), q_pad.dtype),
+                       jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
+            input_output_aliases={7: 4}, compiler_params=params, interpret=interpret,
+            name="sparse_decode_attend_merge",
+        )(q_pad, k_pages, v_pages, phys, slots, count, lengths,
+          jnp.zeros((b, hkv, 1), jnp.int32))
+        out = outs[3]
+        return (out if r == rpad else out[:, :, :r]).reshape(b, hkv * r, d)
+
     o, mx, l = pl.pallas_call(
-        functools.partial(_attend_kernel, page_size=page_size, block_pages=block_pages,
-                          splits=splits, scale=d ** -0.5),
+        functools.partial(_attend_kernel, **kw),
         grid=(b, hkv, splits),
-        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, si: (bi, hi, 0, 0)),
-                  pages_spec, pages_spec, list_spec, list_spec,
-                  pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
-                  pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
+        in_specs=in_specs,
         out_specs=[pl.BlockSpec((None, None, None, rpad, d),
                                 lambda bi, hi, si: (bi, hi, si, 0, 0)),
                    pl.BlockSpec((None, None, None, rpad), lambda bi, hi, si: (bi, hi, si, 0)),
                    pl.BlockSpec((None, None, None, rpad), lambda bi, hi, si: (bi, hi, si, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rpad, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
-        interpret=interpret, name="sparse_decode_attend",
+        out_shape=part_shapes, compiler_params=params, interpret=interpret,
+        name="sparse_decode_attend",
     )(q_pad, k_pages, v_pages, phys, slots, count, lengths)
 
     # Merge the splits: rescale each to the common max. Empty splits have l = 0 and drop out;
@@ -406,16 +572,18 @@ def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, length
 
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "max_pages", "block_pages", "splits", "score_chunk", "select_warps",
-    "radix_bits", "num_warps", "num_stages", "interpret"))
+    "radix_bits", "num_warps", "num_stages", "fuse_select", "merge_in_kernel", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, block_pages, splits, score_chunk, select_warps,
-                   radix_bits, num_warps, num_stages, interpret):
+                   radix_bits, num_warps, num_stages, fuse_select, merge_in_kernel, interpret):
     group = q.shape[1] // k_pages.shape[0]
     q_pad = pad_heads(q, k_pages.shape[0])
     phys, slots, count = select_page_lists(
         q_pad, group, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, score_chunk=score_chunk, block_pages=block_pages,
-        select_warps=select_warps, radix_bits=radix_bits, interpret=interpret)
+        select_warps=select_warps, radix_bits=radix_bits, fuse_select=fuse_select,
+        interpret=interpret)
     return attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, block_pages=block_pages, splits=splits,
-                             num_warps=num_warps, num_stages=num_stages, interpret=interpret)
+                             num_warps=num_warps, num_stages=num_stages,
+                             merge_in_kernel=merge_in_kernel, interpret=interpret)

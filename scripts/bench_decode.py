@@ -35,7 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_decode_gpu import (pad_heads, select_page_lists,
+from pallas_kernels.sparse_decode_gpu import (_dims, attend_page_lists, default_block_pages,
+                                             default_splits, pad_heads, score_keys,
+                                             select_from_keys, select_page_lists,
                                              sparse_decode_pallas)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
@@ -117,9 +119,70 @@ def read_ceiling(repeats=10, small=False):
 def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', dict(block_pages=8, splits=4, num_warps=4))."""
     names = dict(b="block_pages", s="splits", w="num_warps", c="score_chunk", t="select_warps",
-                 r="radix_bits", g="num_stages")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrg])(\d+)", spec)}
+                 r="radix_bits", g="num_stages", f="fuse_select", m="merge_in_kernel")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrgfm])(\d+)", spec)}
+    for flag in ("fuse_select", "merge_in_kernel"):
+        if flag in kw:
+            kw[flag] = bool(kw[flag])
     return f"kernel_{spec}", kw
+
+
+def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets, kb, b, m,
+                    interpret):
+    """Parts of the kernel timed alone (settings of ``kw``): scoring + selection, scoring,
+    selection from given keys, attention + merge from given lists. Each next call's input
+    depends on the last output (through a zero), so the calls stay chained."""
+    kw = dict(kw)
+    sel_kw = {k: v for k, v in kw.items()
+              if k in ("score_chunk", "block_pages", "select_warps", "radix_bits", "fuse_select")}
+    block_pages = kw.get("block_pages", default_block_pages(P))
+    splits = kw.get("splits", default_splits(b, HKV, kb, block_pages))
+    mpad, kpad = _dims(table, kb, kw.get("score_chunk", 64), block_pages)
+    table_pad = jnp.pad(table, ((0, 0), (0, mpad - m)))
+    centroid_bytes = b * HKV * (m - 3) * D * 2
+    q_pad = pad_heads(q, HKV)
+
+    def select_only(q_, c_, t_, l_, bu_):
+        phys, _, count = select_page_lists(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_,
+                                           page_size=P, max_pages=kb, interpret=interpret,
+                                           **sel_kw)
+        return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
+
+    def score_only(q_, c_, t_, l_):
+        keys = score_keys(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, page_size=P,
+                          score_chunk=kw.get("score_chunk", 64), interpret=interpret)
+        return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
+
+    keys = score_keys(q_pad, HQ // HKV, centroids, table_pad, lengths, page_size=P,
+                      score_chunk=kw.get("score_chunk", 64), interpret=interpret)
+
+    def select_keys_only(keys_, t_, l_, bu_):
+        phys, _, count = select_from_keys(keys_, t_, l_, bu_, page_size=P, max_pages=kb,
+                                          kpad=kpad, select_warps=kw.get("select_warps", 4),
+                                          radix_bits=kw.get("radix_bits", 1),
+                                          interpret=interpret)
+        return keys_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(keys_.dtype)
+
+    phys, slots, count = select_page_lists(q_pad, HQ // HKV, centroids, table, lengths,
+                                           budgets, page_size=P, max_pages=kb,
+                                           interpret=interpret, **sel_kw)
+
+    def attend_only(q_, k_, v_, ph_, sl_, co_, l_):
+        return attend_page_lists(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_, l_,
+                                 page_size=P, block_pages=block_pages, splits=splits,
+                                 num_warps=kw.get("num_warps", 4),
+                                 num_stages=kw.get("num_stages", 2),
+                                 merge_in_kernel=kw.get("merge_in_kernel", False),
+                                 interpret=interpret)
+
+    return {"part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
+                                  centroid_bytes),
+            "part_score": (None, score_only, (q, centroids, table_pad, lengths),
+                           centroid_bytes),
+            "part_select": (None, select_keys_only, (keys, table_pad, lengths, budgets),
+                            keys.nbytes),
+            "part_attend": (None, attend_only, (q, k_pages, v_pages, phys, slots, count,
+                                                lengths), b * HKV * kb * P * D * 2 * 2)}
 
 
 def selection_agreement(q, centroids, table, lengths, budgets, max_pages):
@@ -171,10 +234,13 @@ def main(argv=None):
     ap.add_argument("--kernel-configs", default="b4",
                     help="kernel variants, comma separated, each letters+numbers: b block_pages, "
                          "s splits, w warps, c score_chunk, t select warps, r radix bits, "
-                         "g stages (e.g. b4c128t8r2g3)")
+                         "g stages, f1 fused score+select, m1 split merge in the kernel "
+                         "(e.g. b4c128t8r2g3f1m1)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
-                    help="also time scoring + selection alone")
+                    help="also time, with the first variant's settings, scoring + selection, "
+                         "scoring alone, selection alone (given keys) and attention + merge "
+                         "alone (given lists)")
     ap.add_argument("--interpret", action="store_true",
                     help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
     args = ap.parse_args(argv)
@@ -241,20 +307,9 @@ def main(argv=None):
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
                 if args.breakdown:
-                    # Scoring + selection alone (first variant's settings); the next query
-                    # depends on the lists through a zero so the calls stay chained.
-                    kw = {k: v for k, v in variants[0][1].items()
-                          if k in ("score_chunk", "block_pages", "select_warps", "radix_bits")}
-
-                    def select_only(q_, c_, t_, l_, bu_, kb=kb, kw=kw):
-                        phys, _, count = select_page_lists(
-                            pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_, page_size=P,
-                            max_pages=kb,
-                            interpret=args.interpret, **kw)
-                        return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
-                    cases[f"select_only@{budget_tokens}"] = (
-                        None, select_only, (q, centroids, table, lengths, budgets),
-                        b * HKV * (m - 3) * D * 2)
+                    parts = breakdown_cases(variants[0][1], q, k_pages, v_pages, centroids,
+                                            table, lengths, budgets, kb, b, m, args.interpret)
+                    cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
             refs = {}
             for name, (bt, fn, fn_args, nbytes) in cases.items():
                 try:
@@ -330,6 +385,12 @@ def summarize(rows):
                    f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
                    f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
                    f"{best['rel_err_vs_ref']:.1e} |")
+    parts = [r for r in ok if r["impl"].startswith("part_")]
+    if parts:
+        out.append("")
+        out.append("breakdown (first variant's settings): " + "; ".join(
+            f"ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl'][5:]} "
+            f"{r['ms'] * 1e3:.1f} us ({r['gb_per_s']:.0f} GB/s)" for r in parts))
     return out
 
 

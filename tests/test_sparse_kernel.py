@@ -126,9 +126,13 @@ def test_full_matrix(r, d, dtype):
 
 
 @pytest.mark.parametrize("kw", [dict(block_pages=4, splits=3, radix_bits=2),
-                                dict(block_pages=8, splits=1, radix_bits=3, score_chunk=128)])
+                                dict(block_pages=8, splits=1, radix_bits=3, score_chunk=128),
+                                dict(fuse_select=True, merge_in_kernel=True, splits=3),
+                                dict(fuse_select=True, merge_in_kernel=True, splits=1,
+                                     score_chunk=128)])
 def test_settings_do_not_change_the_result(kw):
-    """Splits (also ones that leave some empty), block sizes and radix widths are tuning only."""
+    """Splits (also ones that leave some empty), block sizes, radix widths and the fused
+    scoring + selection / in-kernel split merge are tuning only."""
     rng = np.random.default_rng(7)
     check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
           dtype=jnp.float32, **kw)
@@ -141,7 +145,8 @@ def lists_as_sets(phys, slots, count):
             for h in range(c.shape[1])}, np.asarray(phys)
 
 
-def test_selection_equals_reference_and_lists_are_padded():
+@pytest.mark.parametrize("fuse_select", [False, True])
+def test_selection_equals_reference_and_lists_are_padded(fuse_select):
     rng = np.random.default_rng(11)
     q, k, v, cent, table, lengths = make_case(rng, lengths=[1000, 17, 600], hkv=2, r=2, d=64,
                                               dtype=jnp.float32)
@@ -149,7 +154,7 @@ def test_selection_equals_reference_and_lists_are_padded():
     max_pages = 64
     phys, slots, count = select_page_lists(
         pad_heads(q, 2), 2, cent, table, lengths, jnp.asarray(budgets), page_size=P,
-        max_pages=max_pages, interpret=INTERPRET)
+        max_pages=max_pages, fuse_select=fuse_select, interpret=INTERPRET)
     got, phys = lists_as_sets(phys, slots, count)
     _, want = sparse_decode_np(as64(q), as64(k), as64(v), as64(cent), np.asarray(table),
                                np.asarray(lengths), budgets)
