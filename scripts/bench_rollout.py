@@ -133,13 +133,14 @@ def bytes_per_row(cfg: ModelConfig, rc: RolloutConfig, prompt_len: int) -> int:
 
 
 @functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _random_pages(key, shape, dtype):
-    """Normal random pages ``[L, ...]``, one layer at a time (no full-size temporaries)."""
-    def fill(layer, pages):
-        block = jax.random.normal(jax.random.fold_in(key, layer), shape[1:], jnp.float32)
-        return pages.at[layer].set(block.astype(dtype))
+def _random_layer(key, shape, dtype):
+    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
 
-    return jax.lax.fori_loop(0, shape[0], fill, jnp.zeros(shape, dtype))
+
+def _random_pages(key, shape, dtype):
+    """Normal random arrays, one per layer: ``shape = (L, ...)`` -> L arrays ``shape[1:]``."""
+    return tuple(_random_layer(jax.random.fold_in(key, layer), shape[1:], dtype)
+                 for layer in range(shape[0]))
 
 
 def random_state(cfg: ModelConfig, rc: RolloutConfig, batch: int, prompt_len: int, key):

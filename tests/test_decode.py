@@ -165,7 +165,8 @@ def test_decode_step_donates_the_cache(model):
     _, cache, _, _ = _prefill_and_fork(model, [4], 1, 2, chunk_size=None)
     old = cache.k_pages
     _, new = decode_step_jit(model, cache, jnp.asarray([3], jnp.int32))
-    assert old.is_deleted() and not new.k_pages.is_deleted()
+    assert all(x.is_deleted() for x in old)
+    assert not any(x.is_deleted() for x in new.k_pages)
 
 
 @nnx.jit(static_argnames=("scorer", "dense_layers"))

@@ -1,11 +1,17 @@
 """The paged KV cache of DESIGN 3.1 and its pure update functions.
 
-Layout (head-major, as JAX's Pallas paged attention, with a layer axis):
-``k_pages, v_pages [layers, kv_heads, num_pages, P, head_dim]``; a sequence's token at position
-``pos`` lives in physical page ``page_table[b, pos // P]``, slot ``pos % P``.
+Layout (head-major, as JAX's Pallas paged attention, one array per layer):
+``k_pages, v_pages``: tuples of ``layers`` arrays ``[kv_heads, num_pages, P, head_dim]`` (the
+``[layers, kv_heads, num_pages, P, head_dim]`` of DESIGN 3.1 with the layer axis as a tuple);
+a sequence's token at position ``pos`` lives in physical page ``page_table[b, pos // P]``, slot
+``pos % P``. ``cache.k_pages[layer]`` is that layer's array, and ``np.asarray(cache.k_pages)``
+the stacked ``[layers, ...]`` view. Why not one stacked array: a kernel (a Pallas custom call)
+handed ``stacked[layer]`` gets a *copy* of the slice, so every decode step would copy the whole
+cache once (measured: ~60 ms a step for a 68 GB cache on the H100, BENCHMARKS.md "Rollout");
+separate buffers go to the kernels as they are and are updated in place.
 
 Page summaries: ``centroids`` (mean of a page's keys) and, for the Quest scorer, elementwise
-``kmin``/``kmax``. They are written once, when a page fills; the partial page is never scored.
+``kmin``/``kmax``, per layer like the pages. They are written once, when a page fills; the partial page is never scored.
 Until then each sequence keeps a running sum (float32) / min / max of its partial page in
 ``partial_*`` ``[layers, batch, kv_heads, head_dim]``: one partial page per sequence, so there is
 no float32 copy of the pool. Summaries are taken from the keys *as stored* (cast to the cache
@@ -33,25 +39,25 @@ class PagedKVCache:
     """Shapes: L layers, H kv heads, N physical pages, P page size, D head dim, B sequences,
     M max pages per sequence."""
 
-    k_pages: jax.Array        # [L, H, N, P, D] cache dtype
-    v_pages: jax.Array        # [L, H, N, P, D] cache dtype
+    k_pages: tuple[jax.Array, ...]    # L x [H, N, P, D] cache dtype
+    v_pages: tuple[jax.Array, ...]    # L x [H, N, P, D] cache dtype
     page_table: jax.Array     # [B, M] int32
     lengths: jax.Array        # [B] int32: tokens in cache, the current one included
-    centroids: jax.Array      # [L, H, N, D] cache dtype; final once the page is full
+    centroids: tuple[jax.Array, ...]  # L x [H, N, D] cache dtype; final once the page is full
     partial_sum: jax.Array    # [L, B, H, D] float32: sum of the keys of the partial page
-    kmin: jax.Array | None = None         # [L, H, N, D] (scorer "quest")
-    kmax: jax.Array | None = None         # [L, H, N, D]
+    kmin: tuple[jax.Array, ...] | None = None   # L x [H, N, D] (scorer "quest")
+    kmax: tuple[jax.Array, ...] | None = None   # L x [H, N, D]
     partial_min: jax.Array | None = None  # [L, B, H, D] cache dtype
     partial_max: jax.Array | None = None  # [L, B, H, D]
     page_size: int = struct.field(pytree_node=False, default=16)
 
     @property
     def num_layers(self) -> int:
-        return self.k_pages.shape[0]
+        return len(self.k_pages)
 
     @property
     def num_pages(self) -> int:
-        return self.k_pages.shape[2]
+        return self.k_pages[0].shape[1]
 
     @property
     def batch(self) -> int:
@@ -81,12 +87,15 @@ def init_cache(config: ModelConfig, num_pages: int, page_table, *, page_size: in
                          f"[{table.min()}, {table.max()}]")
     layers, heads, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     b = page_table.shape[0]
-    # Every field its own buffer: a donated cache must not hand one buffer over twice.
+    # Every array its own buffer: a donated cache must not hand one buffer over twice.
     def pages():
-        return jnp.zeros((layers, heads, num_pages, page_size, d), dtype)
+        return tuple(jnp.zeros((heads, num_pages, page_size, d), dtype) for _ in range(layers))
+
+    def summaries():
+        return tuple(jnp.zeros((heads, num_pages, d), dtype) for _ in range(layers))
 
     def summary():
-        return jnp.zeros((layers, heads, num_pages, d), dtype) if quest else None
+        return summaries() if quest else None
 
     def partial():
         return jnp.zeros((layers, b, heads, d), dtype) if quest else None
@@ -94,11 +103,15 @@ def init_cache(config: ModelConfig, num_pages: int, page_table, *, page_size: in
     quest = scorer == "quest"
     return PagedKVCache(
         k_pages=pages(), v_pages=pages(), page_table=page_table,
-        lengths=jnp.zeros((b,), jnp.int32), centroids=jnp.zeros((layers, heads, num_pages, d),
-                                                                dtype),
+        lengths=jnp.zeros((b,), jnp.int32), centroids=summaries(),
         partial_sum=jnp.zeros((layers, b, heads, d), jnp.float32),
         kmin=summary(), kmax=summary(), partial_min=partial(), partial_max=partial(),
         page_size=page_size)
+
+
+def _set(arrays: tuple, layer: int, value: jax.Array) -> tuple:
+    """``arrays`` with entry ``layer`` replaced."""
+    return arrays[:layer] + (value,) + arrays[layer + 1:]
 
 
 def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, pos: jax.Array,
@@ -113,10 +126,12 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
     page = jnp.where(write, page, n)                 # dropped below
     slot = pos % p
     heads = jnp.arange(k.shape[1])[:, None]          # [H, 1] against [1, B] indices
-    kh = jnp.swapaxes(k, 0, 1).astype(cache.k_pages.dtype)   # [H, B, D]
-    vh = jnp.swapaxes(v, 0, 1).astype(cache.v_pages.dtype)
-    k_pages = cache.k_pages.at[layer, heads, page[None], slot[None]].set(kh, mode="drop")
-    v_pages = cache.v_pages.at[layer, heads, page[None], slot[None]].set(vh, mode="drop")
+    kh = jnp.swapaxes(k, 0, 1).astype(cache.k_pages[layer].dtype)   # [H, B, D]
+    vh = jnp.swapaxes(v, 0, 1).astype(cache.v_pages[layer].dtype)
+    k_pages = _set(cache.k_pages, layer, cache.k_pages[layer].at[
+        heads, page[None], slot[None]].set(kh, mode="drop"))
+    v_pages = _set(cache.v_pages, layer, cache.v_pages[layer].at[
+        heads, page[None], slot[None]].set(vh, mode="drop"))
 
     start = (slot == 0)[:, None, None]               # a fresh page: forget the last page's sums
     keep = write[:, None, None]
@@ -125,9 +140,9 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
     partial_sum = cache.partial_sum.at[layer].set(
         jnp.where(keep, new_sum, cache.partial_sum[layer]))
     full_page = jnp.where(write & (slot == p - 1), page, n)[None]    # [1, B]
-    dtype = cache.centroids.dtype
-    centroids = cache.centroids.at[layer, heads, full_page].set(
-        jnp.swapaxes(new_sum / p, 0, 1).astype(dtype), mode="drop")
+    dtype = cache.centroids[layer].dtype
+    centroids = _set(cache.centroids, layer, cache.centroids[layer].at[heads, full_page].set(
+        jnp.swapaxes(new_sum / p, 0, 1).astype(dtype), mode="drop"))
     out = cache.replace(k_pages=k_pages, v_pages=v_pages, centroids=centroids,
                         partial_sum=partial_sum)
     if cache.kmin is None:
@@ -139,8 +154,10 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
             jnp.where(keep, new_min, cache.partial_min[layer])),
         partial_max=cache.partial_max.at[layer].set(
             jnp.where(keep, new_max, cache.partial_max[layer])),
-        kmin=cache.kmin.at[layer, heads, full_page].set(jnp.swapaxes(new_min, 0, 1), mode="drop"),
-        kmax=cache.kmax.at[layer, heads, full_page].set(jnp.swapaxes(new_max, 0, 1), mode="drop"))
+        kmin=_set(cache.kmin, layer, cache.kmin[layer].at[heads, full_page].set(
+            jnp.swapaxes(new_min, 0, 1), mode="drop")),
+        kmax=_set(cache.kmax, layer, cache.kmax[layer].at[heads, full_page].set(
+            jnp.swapaxes(new_max, 0, 1), mode="drop")))
 
 
 def write_chunk(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, start: int,
@@ -165,10 +182,12 @@ def write_chunk(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, sta
     page = jnp.where(valid, page, n)
     slot = jnp.broadcast_to(pos % p, (b, c))
     heads = jnp.arange(h)[:, None, None]
-    kh = jnp.moveaxis(k, 2, 0).astype(cache.k_pages.dtype)             # [H, B, C, D]
-    vh = jnp.moveaxis(v, 2, 0).astype(cache.v_pages.dtype)
-    k_pages = cache.k_pages.at[layer, heads, page[None], slot[None]].set(kh, mode="drop")
-    v_pages = cache.v_pages.at[layer, heads, page[None], slot[None]].set(vh, mode="drop")
+    kh = jnp.moveaxis(k, 2, 0).astype(cache.k_pages[layer].dtype)      # [H, B, C, D]
+    vh = jnp.moveaxis(v, 2, 0).astype(cache.v_pages[layer].dtype)
+    k_pages = _set(cache.k_pages, layer, cache.k_pages[layer].at[
+        heads, page[None], slot[None]].set(kh, mode="drop"))
+    v_pages = _set(cache.v_pages, layer, cache.v_pages[layer].at[
+        heads, page[None], slot[None]].set(vh, mode="drop"))
 
     stored = jnp.moveaxis(kh, 0, 2).reshape(b, n_chunk_pages, p, h, d)   # [B, n, P, H, D]
     mask = valid.reshape(b, n_chunk_pages, p)[..., None, None]
@@ -182,8 +201,9 @@ def write_chunk(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, sta
     idx = (jnp.arange(h)[:, None, None], full_page[None])               # [H, B, n]
 
     def put_summary(summary, values):                                   # values [B, n, H, D]
-        return summary.at[(layer,) + idx].set(jnp.moveaxis(values, 2, 0).astype(summary.dtype),
-                                              mode="drop")
+        s = summary[layer]
+        return _set(summary, layer, s.at[idx].set(jnp.moveaxis(values, 2, 0).astype(s.dtype),
+                                                  mode="drop"))
 
     def put_partial(partial, values):                                   # values [B, n, H, D]
         picked = jnp.where(sel, values, 0).sum(1).astype(partial.dtype)
@@ -222,7 +242,7 @@ def fork(cache: PagedKVCache, page_table, prompt_index, copy_src, copy_dst) -> P
         raise ValueError(f"copy_src {src.shape} and copy_dst {dst.shape} differ in shape")
 
     def copy(pages):
-        return pages.at[:, :, dst].set(pages[:, :, src])
+        return tuple(x.at[:, dst].set(x[:, src]) for x in pages)
 
     def rows(x):
         return None if x is None else jnp.take(x, prompt_index, axis=1)
