@@ -61,6 +61,11 @@ class RolloutConfig:
     cache_dtype: KV cache dtype; None: the model's compute dtype.
     prefill_chunk: prompt tokens per prefill chunk (bounds prefill memory); None: all at once.
     steps_per_call: decode steps per jitted call (the host checks for completion in between).
+    table_bucket_pages: each call of the decode loop sees only the first w columns of the page
+      table, w the smallest power of two >= this (pages) that holds every row through the call
+      (capped at the full width): the kernels' work that scales with the table width (the
+      sparse kernels score and select over it; the dense kernel splits it) then follows the
+      context, at one compilation per width. None: always the full width (one compilation).
     prompt_multiple: prompts are right-padded to a multiple of this (bounds recompilation).
     progress: a progress bar on stderr.
     page_seed: hand out pages in a shuffled order (tests: nothing may rely on contiguity).
@@ -85,6 +90,7 @@ class RolloutConfig:
     cache_dtype: str | None = None
     prefill_chunk: int | None = None
     steps_per_call: int = 64
+    table_bucket_pages: int | None = 256
     prompt_multiple: int = 64
     progress: bool = False
     page_seed: int | None = None
@@ -120,6 +126,8 @@ class RolloutConfig:
              f"prefill_chunk must be a positive multiple of page_size {self.page_size}, got "
              f"{self.prefill_chunk}"),
             (self.steps_per_call >= 1, f"steps_per_call must be >= 1, got {self.steps_per_call}"),
+            (self.table_bucket_pages is None or self.table_bucket_pages >= 1,
+             f"table_bucket_pages must be >= 1 or None, got {self.table_bucket_pages}"),
             (self.prompt_multiple >= 1 and self.prompt_multiple % self.page_size == 0,
              f"prompt_multiple must be a positive multiple of page_size {self.page_size}, got "
              f"{self.prompt_multiple}"),
@@ -238,11 +246,21 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
                        jnp.asarray(alloc.prompt_index), jnp.asarray(copy_src),
                        jnp.asarray(copy_dst), key, static=static, response_capacity=r)
     running = bool(jnp.any(state.active))
+    steps_done = 0
     while running:
-        # Always the same number of steps per call (one compilation); the loop inside stops
-        # early once every row has finished, and no row outlives the response capacity.
-        state, running = _run_chunk(graphdef, params, state, config.steps_per_call,
-                                    static=static)
+        # Always the same number of steps per call (one compilation per table width); the loop
+        # inside stops early once every row has finished, and no row outlives the response
+        # capacity. The call sees the table's first `w` columns: every row's cache through
+        # the call (lengths <= prompt + steps so far + steps_per_call) fits in them.
+        w = _table_width(int(prompt_lengths.max()) + steps_done + config.steps_per_call + 1,
+                         p, width, config.table_bucket_pages)
+        if state.cache.page_table.shape[1] != w:
+            state = state._replace(cache=state.cache.replace(
+                page_table=jnp.asarray(alloc.page_table[:, :w])))
+        state, running = _run_chunk(
+            graphdef, params, state, config.steps_per_call,
+            static=static._replace(max_budget_pages=_max_budget_pages(schedule, w)))
+        steps_done += config.steps_per_call
         running = bool(running)
         if bar is not None:
             emitted = int(jnp.sum(state.response_lengths))
@@ -292,6 +310,15 @@ def pages_in_free_memory(model_config, page_size: int, cache_dtype, fraction: fl
 
 def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
+
+
+def _table_width(tokens: int, page_size: int, width: int, bucket: int | None) -> int:
+    """Page-table columns a decode call needs for rows of up to ``tokens`` tokens: the smallest
+    power of two >= ``bucket`` holding them, capped at ``width`` (``bucket`` None: width)."""
+    if bucket is None:
+        return width
+    need = max(-(-tokens // page_size), bucket)
+    return min(1 << (need - 1).bit_length(), width)
 
 
 def _max_budget_pages(schedule: BudgetSchedule | None, width: int) -> int | None:

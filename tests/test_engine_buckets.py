@@ -1,0 +1,68 @@
+"""The rollout engine's page-table width buckets (``RolloutConfig.table_bucket_pages``): each
+decode call sees only the table columns its rows can reach, and the rollout is the one the
+full table gives."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.rollout import engine
+from sparrow_jax.rollout.engine import RolloutConfig, generate
+from sparrow_jax.schedule import BudgetSchedule
+
+P = 4
+V = 48
+CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def test_table_width():
+    assert engine._table_width(10, 4, 100, None) == 100
+    assert engine._table_width(10, 4, 100, 1) == 4          # 3 pages -> 4
+    assert engine._table_width(10, 4, 100, 8) == 8          # at least the bucket
+    assert engine._table_width(300, 4, 100, 8) == 100       # capped at the full width
+    assert engine._table_width(16, 4, 100, 1) == 4
+
+
+@pytest.mark.parametrize("sparse", [False, True])
+def test_buckets_give_the_full_table_rollout(sparse, monkeypatch):
+    model = init_model(CFG, seed=0)
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, V, n).tolist() for n in (5, 8, 21)]
+    schedule = BudgetSchedule.fixed(4, page_size=P) if sparse else None
+    widths = []
+    run_chunk = engine._run_chunk
+
+    def spy(graphdef, params, state, num_steps, *, static):
+        widths.append((state.cache.page_table.shape[1], static.max_budget_pages))
+        return run_chunk(graphdef, params, state, num_steps, static=static)
+
+    monkeypatch.setattr(engine, "_run_chunk", spy)
+    out = {}
+    for bucket in (None, 1):
+        widths.clear()
+        cfg = RolloutConfig(n=2, max_new_tokens=30, temperature=0.0, page_size=P,
+                            prompt_multiple=16, steps_per_call=4, dense_layers=(0,),
+                            page_seed=3, table_bucket_pages=bucket)
+        out[bucket] = generate(model, prompts, cfg, jax.random.key(0), schedule=schedule)
+        seen = list(widths)
+        if bucket is None:
+            assert {w for w, _ in seen} == {-(-(32 + 30) // P)}
+        else:
+            # Widths grow with the calls, powers of two until the full width.
+            ws = [w for w, _ in seen]
+            assert ws == sorted(ws) and ws[0] == 8 and ws[-1] == 16 and len(set(ws)) == 2
+            if sparse:
+                assert all(m == min(4, w) for w, m in seen)
+    full, bucketed = out[None], out[1]
+    np.testing.assert_array_equal(np.asarray(bucketed.tokens), np.asarray(full.tokens))
+    np.testing.assert_array_equal(np.asarray(bucketed.budget_pages),
+                                  np.asarray(full.budget_pages))
+    np.testing.assert_allclose(np.asarray(bucketed.logprobs), np.asarray(full.logprobs),
+                               rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.asarray(bucketed.topk_logprobs),
+                               np.asarray(full.topk_logprobs), rtol=1e-5, atol=1e-5)
