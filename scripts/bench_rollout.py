@@ -91,10 +91,14 @@ def read_ceiling(small=False, repeats=10):
     return best
 
 
+BUCKET = [256]   # RolloutConfig.table_bucket_pages (--table-bucket)
+
+
 def rollout_config(max_new: int, prompt_len: int) -> RolloutConfig:
     """Training-style sampling (temperature 1, no EOS), the engine's defaults otherwise."""
     del prompt_len
-    return RolloutConfig(n=1, max_new_tokens=max_new, temperature=1.0, eos_ids=())
+    return RolloutConfig(n=1, max_new_tokens=max_new, temperature=1.0, eos_ids=(),
+                         table_bucket_pages=BUCKET[0])
 
 
 def static_for(rc: RolloutConfig, cfg: ModelConfig, schedule, width: int) -> engine._Static:
@@ -167,7 +171,7 @@ def random_state(cfg: ModelConfig, rc: RolloutConfig, batch: int, prompt_len: in
         logprobs=jnp.zeros((batch, r), jnp.float32), topk_ids=jnp.zeros((batch, r, k), jnp.int32),
         topk_logprobs=jnp.full((batch, r, k), -jnp.inf, jnp.float32),
         budgets=jnp.zeros((batch, r), jnp.int32), key=keys[4])
-    return jax.block_until_ready(state), width
+    return jax.block_until_ready(state), (width, np.asarray(alloc.page_table))
 
 
 def at_context(state: engine._Loop, length: int) -> engine._Loop:
@@ -217,26 +221,36 @@ def run_chunk(graphdef, params, state, steps, static, variant="engine"):
     return _variant_chunk(graphdef, params, state, steps, static=static, variant=variant)
 
 
-def time_contexts(graphdef, params, state, static, contexts, *, steps, repeats, limit,
+def time_contexts(graphdef, params, state, static, contexts, *, steps, repeats, limit, table,
                   variant="engine", label=""):
     """Per-step seconds at each context: ``repeats`` chunks of ``steps`` chained steps from a
     start placed so that their mean context is the one asked for (clamped so no row reaches
-    the response capacity). -> (state, rows)."""
+    the response capacity), each chunk seeing the page-table width ``generate`` would give
+    it (``table = (full width, host table)``; the width that holds the last chunk). -> (state,
+    rows)."""
     rows = []
-    warm = False
+    warmed = set()
+    width, host_table = table
+    page_size = state.cache.page_size
     for ctx in contexts:
         span = steps * repeats
         start = max(1, min(ctx - span // 2, limit - span - 1))
+        w = engine._table_width(start + span + 1, page_size, width, BUCKET[0])
+        if state.cache.page_table.shape[1] != w:
+            state = state._replace(cache=state.cache.replace(
+                page_table=jnp.asarray(host_table[:, :w])))
+        static = static._replace(max_budget_pages=engine._max_budget_pages(static.schedule, w))
         state = at_context(state, start)
-        if not warm:
+        if w not in warmed:
+            warmed.add(w)
             c0 = _compile_seconds[0]
             t0 = time.perf_counter()
             state = jax.block_until_ready(run_chunk(graphdef, params, state, steps, static,
                                                     variant))
-            print(f"  {label} {variant}: compile + first chunk {time.perf_counter() - t0:.1f} s "
-                  f"(compile {_compile_seconds[0] - c0:.1f} s)", flush=True)
+            print(f"  {label} {variant} table width {w}: compile + first chunk "
+                  f"{time.perf_counter() - t0:.1f} s (compile {_compile_seconds[0] - c0:.1f} s)",
+                  flush=True)
             state = at_context(state, start)
-            warm = True
         times = []
         for _ in range(repeats):
             t0 = time.perf_counter()
@@ -250,7 +264,7 @@ def time_contexts(graphdef, params, state, static, contexts, *, steps, repeats, 
                                f"length {got}, expected {start + span})")
         mean_ctx = start + span / 2
         t = statistics.median(times)
-        rows.append(dict(context=ctx, mean_context=mean_ctx, step_ms=1e3 * t,
+        rows.append(dict(context=ctx, mean_context=mean_ctx, table_width=w, step_ms=1e3 * t,
                          step_ms_all=[1e3 * x for x in times]))
         print(f"  {label} {variant} ctx {mean_ctx:.0f}: {1e3 * t:.3f} ms/step "
               f"(spread {1e3 * (max(times) - min(times)):.3f})", flush=True)
@@ -264,6 +278,64 @@ def integrate(rows, first: int, last: int) -> float:
     ys = np.array([r["step_ms"] for r in rows]) / 1e3
     lengths = np.arange(first, last + 1)
     return float(np.interp(lengths, xs, ys).sum())
+
+
+def _top_k_two_stage(logp, k, group=128):
+    """Exact top-k of ``logp [B, V]`` through per-group top-k (V padded to a multiple of
+    ``group``) and a top-k of the candidates."""
+    b, v = logp.shape
+    pad = -v % group
+    x = jnp.pad(logp, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, group)
+    vals, idx = jax.lax.top_k(x, k)                                # [B, G, k]
+    idx = idx + (jnp.arange(x.shape[1]) * group)[None, :, None]
+    top, pos = jax.lax.top_k(vals.reshape(b, -1), k)
+    return top, jnp.take_along_axis(idx.reshape(b, -1), pos, axis=1)
+
+
+def emit_breakdown(model, batch, static, iters=200):
+    """ms per step of the LM head and sampling pieces, each in a chained loop (the next hidden
+    state is the embedding of the token drawn): head (logits + argmax), + log_softmax,
+    + sampling, + top-k (the engine's ``lax.top_k``), and the two-stage top-k instead."""
+    from sparrow_jax.models.qwen3 import logits_from_hidden
+    from sparrow_jax.rollout.sampling import sample_from_logprobs, scaled_log_softmax
+
+    head = model.head_weight()
+    k = static.top_k
+    h0 = jax.random.normal(jax.random.key(5), (batch, head.shape[1]), head.dtype)
+    out = {}
+    for kind in ("head", "log_softmax", "sample", "top_k", "top_k_two_stage"):
+        def body(_, carry, kind=kind):
+            h, key = carry
+            logits = logits_from_hidden(h, head)
+            if kind == "head":
+                tok = jnp.argmax(logits, axis=-1)
+            else:
+                logp = scaled_log_softmax(logits, static.sampling.temperature)
+                if kind == "log_softmax":
+                    tok = jnp.argmax(logp, axis=-1)
+                else:
+                    key, sub = jax.random.split(key)
+                    tok, lp = sample_from_logprobs(sub, logp, static.sampling)
+                    if kind != "sample":
+                        top = (jax.lax.top_k(logp, k) if kind == "top_k"
+                               else _top_k_two_stage(logp, k))
+                        tok = jnp.where(top[0][:, 0] + lp > -jnp.inf, tok, top[1][:, 1])
+            return head[tok.astype(jnp.int32)], key
+
+        f = jax.jit(lambda h, key: jax.lax.fori_loop(0, iters, body, (h, key)))
+        jax.block_until_ready(f(h0, jax.random.key(0)))
+        times = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            jax.block_until_ready(f(h0, jax.random.key(0)))
+            times.append((time.perf_counter() - t0) / iters)
+        out[kind] = 1e3 * statistics.median(times)
+        print(f"  emit breakdown {kind}: {out[kind]:.3f} ms/step", flush=True)
+    # Same ids and values as lax.top_k.
+    logp = jax.nn.log_softmax(logits_from_hidden(h0, head).astype(jnp.float32), axis=-1)
+    a, b = jax.lax.top_k(logp, k), _top_k_two_stage(logp, k)
+    out["two_stage_matches"] = bool(jnp.all(a[1] == b[1]) & jnp.all(a[0] == b[0]))
+    return out
 
 
 # ------------------------------------------------------------------------------ roofline
@@ -322,7 +394,8 @@ def phase_profile(args, model, cfg, graphdef, params, ceiling, wbytes, out):
     else:
         batch, mem = pick_batch(cfg, rc, args.prompt_len, model, args.margin_gib)
     out.update(batch=batch, memory=mem, max_new=args.max_new)
-    state, width = random_state(cfg, rc, batch, args.prompt_len, jax.random.key(1))
+    state, table = random_state(cfg, rc, batch, args.prompt_len, jax.random.key(1))
+    width = table[0]
     out["peak_bytes_after_cache"] = peak_bytes()
     limit = args.prompt_len + args.max_new - 1   # a row finishes when its length reaches this
     contexts = [c for c in args.contexts if c < limit + args.steps] or args.contexts
@@ -331,7 +404,7 @@ def phase_profile(args, model, cfg, graphdef, params, ceiling, wbytes, out):
         sched = schedule_for(mode)
         static = static_for(rc, cfg, sched, width)
         state, rows = time_contexts(graphdef, params, state, static, contexts, steps=args.steps,
-                                    repeats=args.repeats, limit=limit, label=mode)
+                                    repeats=args.repeats, limit=limit, table=table, label=mode)
         for r in rows:
             kb = kv_bytes(cfg, batch, int(r["mean_context"]), sched, rc.dense_layers)
             r.update(bytes=wbytes + kb, floor_ms=1e3 * (wbytes + kb) / (ceiling * 1e9))
@@ -349,9 +422,11 @@ def phase_profile(args, model, cfg, graphdef, params, ceiling, wbytes, out):
         for variant in ("no_attention", "no_attention_no_head"):
             state, rows = time_contexts(graphdef, params, state, static, split_ctx,
                                         steps=args.steps, repeats=args.repeats, limit=limit,
-                                        variant=variant, label="split")
+                                        table=table, variant=variant, label="split")
             split[variant] = rows[0]["step_ms"]
         out["split"] = split
+    if args.emit_breakdown:
+        out["emit_breakdown"] = emit_breakdown(model, batch, static_for(rc, cfg, None, width))
     out["peak_bytes"] = peak_bytes()
     del state
 
@@ -375,10 +450,10 @@ def phase_check(args, model, cfg, graphdef, params, ceiling, wbytes, out):
     out["modes"] = {}
     for mode in args.modes:
         sched = schedule_for(mode)
-        state, width = random_state(cfg, rc, batch, args.prompt_len, jax.random.key(2))
-        static = static_for(rc, cfg, sched, width)
+        state, table = random_state(cfg, rc, batch, args.prompt_len, jax.random.key(2))
+        static = static_for(rc, cfg, sched, table[0])
         state, rows = time_contexts(graphdef, params, state, static, contexts, steps=args.steps,
-                                    repeats=args.repeats, limit=limit, label=mode)
+                                    repeats=args.repeats, limit=limit, table=table, label=mode)
         del state
         # Decode steps of the run: the first token comes from the prefill; step j (1-based)
         # attends to prompt + j tokens.
@@ -451,6 +526,11 @@ def report(out):
                          f" s ({e['tokens_per_s']:.0f} tokens/s; compile {e['generate_compile_s']:.1f}"
                          f" s excluded), predicted {e['predicted_s']:.2f} s "
                          f"({100 * e['error']:+.1f}%)")
+    if "emit_breakdown" in out:
+        e = out["emit_breakdown"]
+        lines.append("LM head + sampling pieces (ms/step, cumulative): " + ", ".join(
+            f"{k} {v:.3f}" for k, v in e.items() if k != "two_stage_matches")
+            + f"; two-stage top-k matches lax.top_k: {e['two_stage_matches']}")
     if out.get("peak_bytes"):
         lines.append(f"peak device memory {out['peak_bytes'] / 2**30:.2f} GiB")
     print("\n".join(lines), flush=True)
@@ -479,6 +559,10 @@ def main(argv=None):
     ap.add_argument("--dtype", choices=("bfloat16", "float32"), default="bfloat16",
                     help="weights and cache (float32: CPU smoke tests; XLA:CPU has no bf16 dots "
                          "to float32 in the prefill)")
+    ap.add_argument("--table-bucket", type=int, default=256,
+                    help="RolloutConfig.table_bucket_pages (0: always the full table width)")
+    ap.add_argument("--emit-breakdown", action=argparse.BooleanOptionalAction, default=True,
+                    help="profile: time the LM head and the sampling pieces apart")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.max_new is None:
@@ -493,6 +577,7 @@ def main(argv=None):
     cfg = ModelConfig.preset(args.model)
     small = jax.default_backend() == "cpu"
     DTYPE[0] = jnp.dtype(args.dtype)
+    BUCKET[0] = args.table_bucket or None
     model = init_model(cfg, dtype=DTYPE[0], param_dtype=DTYPE[0])
     graphdef, params = nnx.split(model)
     ceiling = read_ceiling(small=small)
