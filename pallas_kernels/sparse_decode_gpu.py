@@ -53,27 +53,43 @@ def _order_key(score: jax.Array) -> jax.Array:
     return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
 
 
-def _score_chunk(q_ref, cent_ref, table, n, c, *, chunk, group):
-    """Keys ``[C]`` int32 of slots ``c*C .. c*C+C-1``: q ``[Rpad, D]`` (the group's heads, zero
-    rows past ``group``), centroids ``[N, D]`` (this KV head), table ``[C]`` (those slots), n
-    pages in use."""
+def _qbar(q_ref, group):
+    """The mean ``[D]`` float32 of the group's query heads: q ``[Rpad, D]``, zero rows past
+    ``group``."""
+    return jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group
+
+
+def _score_chunk(qbar, cent_ref, table, n, c, *, chunk):
+    """Keys ``[C]`` int32 of slots ``c*C .. c*C+C-1``: qbar ``[D]`` (:func:`_qbar`), centroids
+    ``[N, D]`` (this KV head), table ``[C]`` (those slots), n pages in use."""
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
     # Ineligible slots read page 0's centroid (one cached row) instead of a stray one.
     phys = jnp.where(eligible, table, jnp.int32(0))
     cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-    qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group          # [D]
     score = jnp.sum(cent * qbar[None, :], axis=1)
     return jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
 
 
-def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
-    """Grid (B, Hkv, Mpad / C): table ``[C]`` (this chunk of slots), length ``[1]`` -> keys
-    ``[C]``."""
-    c = pl.program_id(2)
+def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group,
+                  loop):
+    """Grid (B, Hkv, Mpad / (C * loop)): table ``[C * loop]`` (this program's slots), length
+    ``[1]`` -> keys ``[C * loop]``, ``loop`` chunks of C in a loop (Triton pipelines its loads
+    with ``num_stages`` > 1)."""
+    c0 = pl.program_id(2) * loop
     n = (len_ref[0] + page_size - 1) // page_size
-    key_ref[...] = _score_chunk(q_ref, cent_ref, table_ref[...], n, c, chunk=chunk, group=group)
+    qbar = _qbar(q_ref, group)
+    if loop == 1:
+        key_ref[...] = _score_chunk(qbar, cent_ref, table_ref[...], n, c0, chunk=chunk)
+        return
+
+    def body(i, carry):
+        sl = pl.ds(i * chunk, chunk)
+        key_ref[sl] = _score_chunk(qbar, cent_ref, table_ref[sl], n, c0 + i, chunk=chunk)
+        return carry
+
+    lax.fori_loop(0, loop, body, jnp.int32(0))
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -101,7 +117,7 @@ def _score_select_kernel(q_ref, cent_ref, table_ref, len_ref, budget_ref, _arriv
     chunks = pl.num_programs(0)
     n = (len_ref[0] + page_size - 1) // page_size
     key_ref[pl.ds(c * chunk, chunk)] = _score_chunk(
-        q_ref, cent_ref, table_ref[pl.ds(c * chunk, chunk)], n, c, chunk=chunk, group=group)
+        _qbar(q_ref, group), cent_ref, table_ref[pl.ds(c * chunk, chunk)], n, c, chunk=chunk)
     if not interpret:
         # Every thread's key stores precede the (release) atomic, issued by one thread. The
         # interpreter runs programs one after another: nothing to order.
@@ -326,7 +342,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          splits: int | None = None, score_chunk: int = 64,
                          select_warps: int = 4, radix_bits: int = 1, num_warps: int = 4,
                          num_stages: int = 2, fuse_select: bool = False,
-                         merge_in_kernel: bool = False,
+                         merge_in_kernel: bool = False, score_warps: int = 4,
+                         score_loop: int = 1, score_stages: int = 1,
                          interpret: bool = False) -> jax.Array:
     """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
 
@@ -358,6 +375,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         selecting (:func:`_score_select_kernel`); else two kernels.
       merge_in_kernel: the last split of each row merges the splits' partial results
         (:func:`_attend_merge_kernel`); else XLA merges them.
+      score_warps, score_loop, score_stages: Triton warps of the scoring kernel, chunks each
+        of its programs loops over, and the loop's pipelining depth (two-kernel path).
       interpret: run the kernels in Pallas' interpreter (CPU tests).
 
     Arguments are checked as by ``sparse_decode`` (:mod:`sparrow_jax.attention.sparse_args`),
@@ -375,14 +394,16 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         max_budget_pages=max_budget_pages, block_pages=block_pages, splits=splits,
         score_chunk=score_chunk, select_warps=select_warps, radix_bits=radix_bits,
         num_warps=num_warps, num_stages=num_stages, fuse_select=fuse_select,
-        merge_in_kernel=merge_in_kernel, interpret=interpret)
+        merge_in_kernel=merge_in_kernel, score_warps=score_warps, score_loop=score_loop,
+        score_stages=score_stages, interpret=interpret)
 
 
 def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, lengths,
                                  budget_pages, *, page_size, max_budget_pages=None,
                                  block_pages=None, splits=None, score_chunk=64, select_warps=4,
                                  radix_bits=1, num_warps=4, num_stages=2, fuse_select=False,
-                                 merge_in_kernel=False, interpret=False):
+                                 merge_in_kernel=False, score_warps=4, score_loop=1,
+                                 score_stages=1, interpret=False):
     """:func:`sparse_decode_pallas` for arguments its caller has already checked (as
     ``sparse_decode`` does) and given centroids: no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
@@ -396,7 +417,8 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, len
                           splits=splits, score_chunk=score_chunk, select_warps=select_warps,
                           radix_bits=radix_bits, num_warps=num_warps, num_stages=num_stages,
                           fuse_select=fuse_select, merge_in_kernel=merge_in_kernel,
-                          interpret=interpret)
+                          score_warps=score_warps, score_loop=score_loop,
+                          score_stages=score_stages, interpret=interpret)
 
 
 def _dims(page_table, max_pages, score_chunk, block_pages):
@@ -417,7 +439,8 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
 
 def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages, *, page_size,
                       max_pages, score_chunk=64, block_pages=4, select_warps=4, radix_bits=1,
-                      fuse_select=False, interpret=False):
+                      fuse_select=False, score_warps=4, score_loop=1, score_stages=1,
+                      interpret=False):
     """Scoring and selection kernels: q_pad ``[B, Hkv, Rpad, D]`` (:func:`pad_heads`) holding
     ``group`` query heads per KV head, centroids ``[Hkv, N, D]``, page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, Kpad]``,
@@ -456,29 +479,34 @@ def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages
         return tuple(outs[1:4])
 
     keys = score_keys(q_pad, group, centroids, table, lengths, page_size=page_size,
-                      score_chunk=score_chunk, interpret=interpret)
+                      score_chunk=score_chunk, score_warps=score_warps, score_loop=score_loop,
+                      score_stages=score_stages, interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, select_warps=select_warps,
                             radix_bits=radix_bits, interpret=interpret)
 
 
 def score_keys(q_pad, group, centroids, table, lengths, *, page_size, score_chunk=64,
-               interpret=False):
+               score_warps=4, score_loop=1, score_stages=1, interpret=False):
     """The scoring kernel alone: table ``[B, Mpad]`` (padded, :func:`_dims`) -> keys
-    ``[B, Hkv, Mpad]`` int32 (:func:`_score_chunk`)."""
+    ``[B, Hkv, Mpad]`` int32 (:func:`_score_chunk`); each program scores ``score_loop``
+    chunks of ``score_chunk`` slots."""
     b, hkv, rpad, d = q_pad.shape
     n_total = centroids.shape[1]
     mpad = table.shape[1]
+    loop = max(1, min(score_loop, mpad // score_chunk))
+    span = score_chunk * loop
     return pl.pallas_call(
-        functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk, group=group),
-        grid=(b, hkv, mpad // score_chunk),
+        functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk, group=group,
+                          loop=loop),
+        grid=(b, hkv, mpad // span),
         in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, ci: (bi, hi, 0, 0)),
                   pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
-                  pl.BlockSpec((None, score_chunk), lambda bi, hi, ci: (bi, ci)),
+                  pl.BlockSpec((None, span), lambda bi, hi, ci: (bi, ci)),
                   pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
-        out_specs=pl.BlockSpec((None, None, score_chunk), lambda bi, hi, ci: (bi, hi, ci)),
+        out_specs=pl.BlockSpec((None, None, span), lambda bi, hi, ci: (bi, hi, ci)),
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=score_warps, num_stages=score_stages),
         interpret=interpret, name="sparse_decode_score",
     )(q_pad, centroids, table, lengths)
 
@@ -572,16 +600,19 @@ def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, length
 
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "max_pages", "block_pages", "splits", "score_chunk", "select_warps",
-    "radix_bits", "num_warps", "num_stages", "fuse_select", "merge_in_kernel", "interpret"))
+    "radix_bits", "num_warps", "num_stages", "fuse_select", "merge_in_kernel", "score_warps",
+    "score_loop", "score_stages", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, block_pages, splits, score_chunk, select_warps,
-                   radix_bits, num_warps, num_stages, fuse_select, merge_in_kernel, interpret):
+                   radix_bits, num_warps, num_stages, fuse_select, merge_in_kernel, score_warps,
+                   score_loop, score_stages, interpret):
     group = q.shape[1] // k_pages.shape[0]
     q_pad = pad_heads(q, k_pages.shape[0])
     phys, slots, count = select_page_lists(
         q_pad, group, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, score_chunk=score_chunk, block_pages=block_pages,
         select_warps=select_warps, radix_bits=radix_bits, fuse_select=fuse_select,
+        score_warps=score_warps, score_loop=score_loop, score_stages=score_stages,
         interpret=interpret)
     return attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, block_pages=block_pages, splits=splits,

@@ -119,8 +119,9 @@ def read_ceiling(repeats=10, small=False):
 def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', dict(block_pages=8, splits=4, num_warps=4))."""
     names = dict(b="block_pages", s="splits", w="num_warps", c="score_chunk", t="select_warps",
-                 r="radix_bits", g="num_stages", f="fuse_select", m="merge_in_kernel")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrgfm])(\d+)", spec)}
+                 r="radix_bits", g="num_stages", f="fuse_select", m="merge_in_kernel",
+                 v="score_warps", l="score_loop", e="score_stages")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrgfmvle])(\d+)", spec)}
     for flag in ("fuse_select", "merge_in_kernel"):
         if flag in kw:
             kw[flag] = bool(kw[flag])
@@ -133,8 +134,10 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
     selection from given keys, attention + merge from given lists. Each next call's input
     depends on the last output (through a zero), so the calls stay chained."""
     kw = dict(kw)
+    score_kw = {k: v for k, v in kw.items()
+                if k in ("score_chunk", "score_warps", "score_loop", "score_stages")}
     sel_kw = {k: v for k, v in kw.items()
-              if k in ("score_chunk", "block_pages", "select_warps", "radix_bits", "fuse_select")}
+              if k in ("block_pages", "select_warps", "radix_bits", "fuse_select", *score_kw)}
     block_pages = kw.get("block_pages", default_block_pages(P))
     splits = kw.get("splits", default_splits(b, HKV, kb, block_pages))
     mpad, kpad = _dims(table, kb, kw.get("score_chunk", 64), block_pages)
@@ -150,11 +153,11 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
 
     def score_only(q_, c_, t_, l_):
         keys = score_keys(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, page_size=P,
-                          score_chunk=kw.get("score_chunk", 64), interpret=interpret)
+                          interpret=interpret, **score_kw)
         return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
 
     keys = score_keys(q_pad, HQ // HKV, centroids, table_pad, lengths, page_size=P,
-                      score_chunk=kw.get("score_chunk", 64), interpret=interpret)
+                      interpret=interpret, **score_kw)
 
     def select_keys_only(keys_, t_, l_, bu_):
         phys, _, count = select_from_keys(keys_, t_, l_, bu_, page_size=P, max_pages=kb,
@@ -179,6 +182,11 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
                                   centroid_bytes),
             "part_score": (None, score_only, (q, centroids, table_pad, lengths),
                            centroid_bytes),
+            # Diagnostic: the same rows' pages in increasing pool order (locality of the
+            # 256-byte centroid reads; same bytes).
+            "part_score_sorted": (None, score_only,
+                                  (q, centroids, jnp.sort(table_pad, axis=1), lengths),
+                                  centroid_bytes),
             "part_select": (None, select_keys_only, (keys, table_pad, lengths, budgets),
                             keys.nbytes),
             "part_attend": (None, attend_only, (q, k_pages, v_pages, phys, slots, count,
@@ -234,8 +242,8 @@ def main(argv=None):
     ap.add_argument("--kernel-configs", default="b4",
                     help="kernel variants, comma separated, each letters+numbers: b block_pages, "
                          "s splits, w warps, c score_chunk, t select warps, r radix bits, "
-                         "g stages, f1 fused score+select, m1 split merge in the kernel "
-                         "(e.g. b4c128t8r2g3f1m1)")
+                         "g stages, f1 fused score+select, m1 split merge in the kernel, "
+                         "v score warps, l score loop, e score stages (e.g. b4c128t8r2g3f1m1)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -310,6 +318,11 @@ def main(argv=None):
                     parts = breakdown_cases(variants[0][1], q, k_pages, v_pages, centroids,
                                             table, lengths, budgets, kb, b, m, args.interpret)
                     cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
+                    # Scoring alone with each other variant's settings.
+                    for name, kw in variants[1:]:
+                        part = breakdown_cases(kw, q, k_pages, v_pages, centroids, table,
+                                               lengths, budgets, kb, b, m, args.interpret)
+                        cases[f"part_score_{name[7:]}@{budget_tokens}"] = part["part_score"]
             refs = {}
             for name, (bt, fn, fn_args, nbytes) in cases.items():
                 try:

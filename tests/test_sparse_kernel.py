@@ -125,14 +125,15 @@ def test_full_matrix(r, d, dtype):
     check(rng, lengths=lengths, budgets=budgets, hkv=2, r=r, d=d, dtype=dtype)
 
 
-@pytest.mark.parametrize("kw", [dict(block_pages=4, splits=3, radix_bits=2),
+@pytest.mark.parametrize("kw", [dict(block_pages=4, splits=3, radix_bits=2, score_chunk=16,
+                                     score_loop=2, score_stages=3),
                                 dict(block_pages=8, splits=1, radix_bits=3, score_chunk=128),
                                 dict(fuse_select=True, merge_in_kernel=True, splits=3),
                                 dict(fuse_select=True, merge_in_kernel=True, splits=1,
                                      score_chunk=128)])
 def test_settings_do_not_change_the_result(kw):
-    """Splits (also ones that leave some empty), block sizes, radix widths and the fused
-    scoring + selection / in-kernel split merge are tuning only."""
+    """Splits (also ones that leave some empty), block sizes, radix widths, scoring loops and
+    the fused scoring + selection / in-kernel split merge are tuning only."""
     rng = np.random.default_rng(7)
     check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
           dtype=jnp.float32, **kw)
