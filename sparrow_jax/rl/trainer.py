@@ -66,7 +66,9 @@ def build_schedule(spec: dict[str, Any] | None):
 
 
 def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
-    """The sparse rollout engine with the config's temperature-only sampling."""
+    """The sparse rollout engine with the config's temperature-only sampling. Responses end at
+    the model's EOS ids (config.json / generation_config.json) unless ``rollout.engine`` gives
+    ``eos_ids``."""
     from sparrow_jax.rollout.engine import RolloutConfig, generate
 
     r = config.rollout
@@ -74,7 +76,7 @@ def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
     def rollout_fn(model, prompts, key, n):
         cfg = from_dict(RolloutConfig, {
             "n": n, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-            **r.engine})
+            "eos_ids": tuple(model.config.eos_token_ids), **r.engine})
         return generate(model, prompts, cfg, key, schedule=schedule)
 
     return rollout_fn
