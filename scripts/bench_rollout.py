@@ -506,7 +506,8 @@ def report(out):
                 cells.append("" if r is None else f"{r['step_ms']:.3f} ({r['floor_ms']:.3f})")
             ratio = ""
             if len(modes) == 2 and all(ctx in by_ctx[m] for m in modes):
-                ratio = f" | {by_ctx['dense'][ctx]['step_ms'] / by_ctx['sparse'][ctx]['step_ms']:.2f}"
+                d, sp = by_ctx["dense"][ctx]["step_ms"], by_ctx["sparse"][ctx]["step_ms"]
+                ratio = f" | {d / sp:.2f}"
             lines.append(f"| {ctx} | " + " | ".join(cells) + ratio + " |")
         for m in modes:
             lines.append(f"{m}: 0..{out['max_new']} integrated {modes[m]['integrated_s']:.1f} s, "
@@ -522,10 +523,10 @@ def report(out):
                          f" ms); attention = step - {s['no_attention']:.3f}")
     else:
         for m, e in out["modes"].items():
-            lines.append(f"{m}: generate {out['max_new']} tokens x {b} rows in {e['generate_s']:.2f}"
-                         f" s ({e['tokens_per_s']:.0f} tokens/s; compile {e['generate_compile_s']:.1f}"
-                         f" s excluded), predicted {e['predicted_s']:.2f} s "
-                         f"({100 * e['error']:+.1f}%)")
+            lines.append(f"{m}: generate {out['max_new']} tokens x {b} rows in "
+                         f"{e['generate_s']:.2f} s ({e['tokens_per_s']:.0f} tokens/s; compile "
+                         f"{e['generate_compile_s']:.1f} s excluded), predicted "
+                         f"{e['predicted_s']:.2f} s ({100 * e['error']:+.1f}%)")
     if "emit_breakdown" in out:
         e = out["emit_breakdown"]
         lines.append("LM head + sampling pieces (ms/step, cumulative): " + ", ".join(

@@ -11,8 +11,8 @@ cache once (measured: ~60 ms a step for a 68 GB cache on the H100, BENCHMARKS.md
 separate buffers go to the kernels as they are and are updated in place.
 
 Page summaries: ``centroids`` (mean of a page's keys) and, for the Quest scorer, elementwise
-``kmin``/``kmax``, per layer like the pages. They are written once, when a page fills; the partial page is never scored.
-Until then each sequence keeps a running sum (float32) / min / max of its partial page in
+``kmin``/``kmax``, per layer like the pages. They are written once, when a page fills; the
+partial page is never scored. Until then each sequence keeps a running sum (float32) / min / max of its partial page in
 ``partial_*`` ``[layers, batch, kv_heads, head_dim]``: one partial page per sequence, so there is
 no float32 copy of the pool. Summaries are taken from the keys *as stored* (cast to the cache
 dtype), so they equal a recomputation from the pages.
