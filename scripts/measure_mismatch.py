@@ -320,10 +320,12 @@ def plot(result: dict, alphas: dict[str, dict[str, np.ndarray]], mask, out_dir: 
         ax.set_xlabel("sequence length (bin centre, tokens)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("5th percentile of alpha")
-    axes[-1].legend(title="budget (pages)", fontsize=8, title_fontsize=8)
+    handles, names = axes[0].get_legend_handles_labels()
+    fig.legend(handles, names, loc="center right", title="budget\n(pages)", fontsize=8,
+               title_fontsize=8)
     fig.suptitle(f"tail acceptance rate per {result['config']['bin_tokens']}-token bin, "
                  f"page {result['config']['page_size']}", fontsize=10)
-    fig.tight_layout()
+    fig.tight_layout(rect=(0, 0, 0.92, 1))
     paths.append(out_dir / "alpha_tail.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
