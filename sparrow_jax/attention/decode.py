@@ -122,7 +122,7 @@ def _decode_attend(layer, q, k, v, cache: PagedKVCache, *, pos, active, budget_p
 
 def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
                 budget_pages: jax.Array | None = None, dense_layers: tuple[int, ...] = (0, 1),
-                scorer: str = "centroid", impl: str = "reference",
+                scorer: str = "centroid", impl: str = "auto",
                 active: jax.Array | None = None, lora: bool = False,
                 max_budget_pages: int | None = None) -> tuple[jax.Array, PagedKVCache]:
     """One token per row: ``tokens [B]`` sit at position ``cache.lengths`` -> (final-normed
@@ -130,7 +130,8 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
 
     Layers attend densely when ``budget_pages`` is None or the layer is in ``dense_layers``;
     otherwise through :func:`sparrow_jax.attention.sparse.sparse_decode` with ``budget_pages
-    [B]`` (DESIGN 3.2; ``max_budget_pages``: its static gather width, default the table's).
+    [B]`` (DESIGN 3.2; ``impl`` as there: "auto" takes the Pallas kernels on GPU;
+    ``max_budget_pages``: its static gather width, default the table's).
     Rows where ``active [B]`` is False (finished) neither write the cache
     nor grow; their outputs are meaningless. Jit with :data:`decode_step_jit` (cache donated).
     """
