@@ -280,18 +280,6 @@ def integrate(rows, first: int, last: int) -> float:
     return float(np.interp(lengths, xs, ys).sum())
 
 
-def _top_k_two_stage(logp, k, group=128):
-    """Exact top-k of ``logp [B, V]`` through per-group top-k (V padded to a multiple of
-    ``group``) and a top-k of the candidates."""
-    b, v = logp.shape
-    pad = -v % group
-    x = jnp.pad(logp, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, group)
-    vals, idx = jax.lax.top_k(x, k)                                # [B, G, k]
-    idx = idx + (jnp.arange(x.shape[1]) * group)[None, :, None]
-    top, pos = jax.lax.top_k(vals.reshape(b, -1), k)
-    return top, jnp.take_along_axis(idx.reshape(b, -1), pos, axis=1)
-
-
 def emit_breakdown(model, batch, static, iters=200):
     """ms per step of the LM head and sampling pieces, each in a chained loop (the next hidden
     state is the embedding of the token drawn): head (logits + argmax), + log_softmax,
@@ -318,7 +306,7 @@ def emit_breakdown(model, batch, static, iters=200):
                     tok, lp = sample_from_logprobs(sub, logp, static.sampling)
                     if kind != "sample":
                         top = (jax.lax.top_k(logp, k) if kind == "top_k"
-                               else _top_k_two_stage(logp, k))
+                               else engine.top_k(logp, k))
                         tok = jnp.where(top[0][:, 0] + lp > -jnp.inf, tok, top[1][:, 1])
             return head[tok.astype(jnp.int32)], key
 
@@ -333,7 +321,7 @@ def emit_breakdown(model, batch, static, iters=200):
         print(f"  emit breakdown {kind}: {out[kind]:.3f} ms/step", flush=True)
     # Same ids and values as lax.top_k.
     logp = jax.nn.log_softmax(logits_from_hidden(h0, head).astype(jnp.float32), axis=-1)
-    a, b = jax.lax.top_k(logp, k), _top_k_two_stage(logp, k)
+    a, b = jax.lax.top_k(logp, k), engine.top_k(logp, k)
     out["two_stage_matches"] = bool(jnp.all(a[1] == b[1]) & jnp.all(a[0] == b[0]))
     return out
 

@@ -110,24 +110,12 @@ def int_list(text: str) -> tuple[int, ...]:
 
 
 def parse_budgets(spec: str, page_size: int) -> list[tuple[str, BudgetSchedule]]:
-    """``"3,4,qwen3-1.7b"`` -> [(label, schedule)]."""
-    out = []
-    for item in (s.strip() for s in spec.split(",")):
-        if not item:
-            continue
-        if item.isdigit():
-            sched = BudgetSchedule.fixed(int(item), page_size=page_size)
-        elif item in PAPER_TABLES:
-            sched = BudgetSchedule.paper(item)
-        elif Path(item).is_file():
-            sched = BudgetSchedule.from_yaml(Path(item))
-        else:
-            raise SystemExit(f"--budgets item {item!r} is neither a page count, a paper schedule "
-                             f"({sorted(PAPER_TABLES)}) nor a YAML file")
-        if sched.page_size != page_size:
-            raise SystemExit(f"schedule {item!r} counts pages of {sched.page_size} tokens but "
-                             f"--page-size is {page_size}")
-        out.append((item, sched))
+    """``"3,4,qwen3-1.7b"`` -> [(label, schedule)] (:meth:`BudgetSchedule.from_spec`)."""
+    try:
+        out = [(item, BudgetSchedule.from_spec(item, page_size))
+               for item in (s.strip() for s in spec.split(",")) if item]
+    except ValueError as e:
+        raise SystemExit(f"--budgets: {e}") from None
     if not out:
         raise SystemExit("--budgets is empty")
     return out

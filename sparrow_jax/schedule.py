@@ -98,6 +98,26 @@ class BudgetSchedule:
         """A fraction ``f`` of the context's pages, at least ``floor`` pages."""
         return cls(kind="fraction", fraction=float(f), floor=int(floor), **kwargs)
 
+    @classmethod
+    def from_spec(cls, spec: str, page_size: int = 16) -> "BudgetSchedule":
+        """A command-line spelling: a page count (``"8"``: fixed), a paper schedule name
+        (``"qwen3-1.7b"``) or a schedule YAML file (a path, or a name in
+        ``configs/schedules/``). The schedule must count pages of ``page_size`` tokens."""
+        spec = str(spec).strip()
+        if spec.isdigit():
+            schedule = cls.fixed(int(spec), page_size=page_size)
+        elif spec in PAPER_TABLES:
+            schedule = cls.paper(spec)
+        elif Path(spec).is_file() or (CONFIG_DIR / "schedules" / f"{spec}.yaml").is_file():
+            schedule = cls.from_yaml(Path(spec) if Path(spec).is_file() else spec)
+        else:
+            raise ValueError(f"schedule {spec!r} is neither a page count, a paper schedule "
+                             f"({sorted(PAPER_TABLES)}) nor a YAML file")
+        if schedule.page_size != page_size:
+            raise ValueError(f"schedule {spec!r} counts pages of {schedule.page_size} tokens, "
+                             f"not {page_size}")
+        return schedule
+
     def budget_pages(self, lengths) -> jnp.ndarray:
         """lengths ``[...]`` int -> total budget pages ``[...]`` int32 (reserved included).
         Vectorised and usable inside jit."""

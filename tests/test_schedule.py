@@ -71,6 +71,19 @@ def test_config_files_hold_the_paper_tables():
         assert BudgetSchedule.from_yaml(path) == BudgetSchedule.paper(name)
 
 
+def test_from_spec_reads_each_spelling(tmp_path):
+    assert BudgetSchedule.from_spec("8") == BudgetSchedule.fixed(8)
+    assert BudgetSchedule.from_spec("qwen3-4b") == BudgetSchedule.paper("qwen3-4b")
+    custom = BudgetSchedule.from_table([5, 9], bin_tokens=64, page_size=8)
+    path = tmp_path / "mine.yaml"
+    path.write_text(custom.to_yaml())
+    assert BudgetSchedule.from_spec(str(path), page_size=8) == custom
+    with pytest.raises(ValueError, match="pages of 8 tokens, not 16"):
+        BudgetSchedule.from_spec(str(path))
+    with pytest.raises(ValueError, match="neither a page count"):
+        BudgetSchedule.from_spec("qwen3-70b")
+
+
 def test_bad_schedules_are_named():
     with pytest.raises(ValueError, match="no paper schedule"):
         BudgetSchedule.paper("qwen3-70b")

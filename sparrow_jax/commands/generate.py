@@ -55,23 +55,17 @@ def _int_list(text: str, what: str) -> list[int]:
 
 
 def load_schedule(spec: str, page_size: int):
-    """``dense`` -> None; a paper schedule name; or a schedule YAML file."""
+    """``dense`` -> None; else :meth:`BudgetSchedule.from_spec` (a page count, a paper schedule
+    name or a schedule YAML file)."""
     from sparrow_jax.cli import CliError
-    from sparrow_jax.schedule import PAPER_TABLES, BudgetSchedule
+    from sparrow_jax.schedule import BudgetSchedule
 
     if spec == "dense":
         return None
-    if spec in PAPER_TABLES:
-        schedule = BudgetSchedule.paper(spec)
-    elif Path(spec).is_file():
-        schedule = BudgetSchedule.from_yaml(spec)
-    else:
-        raise CliError(f"--schedule {spec!r} is neither 'dense', a paper schedule "
-                       f"({sorted(PAPER_TABLES)}) nor a YAML file")
-    if schedule.page_size != page_size:
-        raise CliError(f"the schedule counts pages of {schedule.page_size} tokens but "
-                       f"--page-size is {page_size}")
-    return schedule
+    try:
+        return BudgetSchedule.from_spec(spec, page_size)
+    except ValueError as e:
+        raise CliError(f"--schedule: {e}") from None
 
 
 def run(args: argparse.Namespace) -> int:
