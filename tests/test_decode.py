@@ -62,6 +62,20 @@ def _prefill_and_fork(model, prompt_lengths, n, max_new, *, chunk_size, seed=0, 
     return alloc, cache, hidden[alloc.prompt_index], seqs
 
 
+def _decode_random_tokens(model, cache, hidden, seqs, steps, *, seed):
+    """``steps`` decode steps on random tokens (appended to ``seqs``) -> (next-token logits
+    after the prompt and after each step, last hidden, cache)."""
+    logits = [np.asarray(next_token_logits(model, hidden))]
+    rng = np.random.default_rng(seed)
+    for _ in range(steps):
+        tokens = rng.integers(1, model.config.vocab_size, len(seqs)).astype(np.int32)
+        for s, t in zip(seqs, tokens):
+            s.append(t)
+        hidden, cache = decode_step_jit(model, cache, jnp.asarray(tokens))
+        logits.append(np.asarray(next_token_logits(model, hidden)))
+    return logits, hidden, cache
+
+
 def test_prefill_and_decode_match_full_forward_with_shared_prompts(tiny):
     model = tiny
     # Prompt lengths: mid-page (6), on a page boundary (8), shorter than a page (3); 3 samples
@@ -69,14 +83,7 @@ def test_prefill_and_decode_match_full_forward_with_shared_prompts(tiny):
     lengths, n, steps = [6, 8, 3], 3, 7
     alloc, cache, hidden, seqs = _prefill_and_fork(model, lengths, n, steps, chunk_size=4)
     assert not (np.diff(alloc.page_table[0, :3]) == 1).all()
-    logits = [np.asarray(next_token_logits(model, hidden))]
-    rng = np.random.default_rng(1)
-    for _ in range(steps):
-        tokens = rng.integers(1, CFG.vocab_size, len(seqs)).astype(np.int32)
-        for s, t in zip(seqs, tokens):
-            s.append(t)
-        hidden, cache = decode_step_jit(model, cache, jnp.asarray(tokens))
-        logits.append(np.asarray(next_token_logits(model, hidden)))
+    logits, hidden, cache = _decode_random_tokens(model, cache, hidden, seqs, steps, seed=1)
     assert cache.lengths.tolist() == [len(s) for s in seqs]
     full = _full_logits(model, seqs)
     for row, s in enumerate(seqs):
@@ -99,14 +106,7 @@ def test_longer_sequences_match_full_forward(tiny, page_size, chunk):
     lengths, n, steps = [37, 32, 17], 2, 20
     alloc, cache, hidden, seqs = _prefill_and_fork(tiny, lengths, n, steps, chunk_size=chunk,
                                                    page_size=page_size, seed=9)
-    logits = [np.asarray(next_token_logits(tiny, hidden))]
-    rng = np.random.default_rng(10)
-    for _ in range(steps):
-        tokens = rng.integers(1, TINY.vocab_size, len(seqs)).astype(np.int32)
-        for s, t in zip(seqs, tokens):
-            s.append(t)
-        hidden, cache = decode_step_jit(tiny, cache, jnp.asarray(tokens))
-        logits.append(np.asarray(next_token_logits(tiny, hidden)))
+    logits, _, _ = _decode_random_tokens(tiny, cache, hidden, seqs, steps, seed=10)
     full = _full_logits(tiny, seqs)
     for row, s in enumerate(seqs):
         start = len(s) - steps - 1
