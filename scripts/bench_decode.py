@@ -227,6 +227,16 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
             cases[f"part_xla_scores_{layout}"] = (
                 None, functools.partial(xla_scores_only, layout=layout),
                 (q, c_, table, lengths), centroid_bytes)
+        # Diagnostic: each row's pages contiguous in the pool (table = arange; other data, so
+        # other keys): the baseline and the first variant reading without a scattered gather.
+        ident = jnp.arange(b * mpad, dtype=jnp.int32).reshape(b, mpad) % centroids.shape[1]
+        cases["part_score_identity_table"] = (None, score_only,
+                                              (q, centroids, ident, lengths), centroid_bytes)
+        name, skw = score_variants[0]
+        cases[f"part_{name}_identity_table"] = (
+            None, functools.partial(score_only_kw, skw_=skw),
+            (q, cent_pm if skw["score_variant"] in PAGE_MAJOR_VARIANTS else centroids, ident,
+             lengths), centroid_bytes)
         # The baseline again after the variants (drift within the run).
         cases["part_score_again"] = cases["part_score"]
 
@@ -400,7 +410,11 @@ def main(argv=None):
                                             score_variants)
                     cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
                     # Scoring alone with each other variant's settings.
+                    # (Variants with a score_variant: see --score-variants instead; their
+                    # breakdown would time the default scoring at their chunk size.)
                     for name, kw in variants[1:]:
+                        if "score_variant" in kw:
+                            continue
                         part = breakdown_cases(kw, q, k_pages, v_pages, centroids, table,
                                                lengths, budgets, kb, b, m, args.interpret)
                         cases[f"part_score_{name[7:]}@{budget_tokens}"] = part["part_score"]
