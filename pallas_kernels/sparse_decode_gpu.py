@@ -59,43 +59,27 @@ def _qbar(q_ref, group):
     return jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group
 
 
-def _eligible_phys(table, n, c, *, chunk):
-    """Slots ``c*C .. c*C+C-1``: which may be chosen (``1 .. n-3``), and their physical pages
-    (page 0 for the others: one cached row instead of a stray one)."""
-    slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-    eligible = (slot >= 1) & (slot < n - 2)
-    return eligible, jnp.where(eligible, table, jnp.int32(0))
-
-
-def _keys_of_rows(qbar, cent, eligible):
-    """Keys ``[C]`` of gathered centroid rows ``[C, D]`` (cache dtype)."""
-    # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-    score = jnp.sum(cent.astype(jnp.float32) * qbar[None, :], axis=1)
-    return jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
-
-
 def _score_chunk(qbar, cent_ref, table, n, c, *, chunk):
     """Keys ``[C]`` int32 of slots ``c*C .. c*C+C-1``: qbar ``[D]`` (:func:`_qbar`), centroids
     ``[N, D]`` (this KV head), table ``[C]`` (those slots), n pages in use."""
-    eligible, phys = _eligible_phys(table, n, c, chunk=chunk)
-    return _keys_of_rows(qbar, cent_ref[phys, :], eligible)                 # [C, D] rows
-
-
-def _qbar_kernel(q_ref, o_ref, *, group):
-    """Grid (B, Hkv): q ``[Rpad, D]`` -> :func:`_qbar` ``[D]`` float32 (the same code as in
-    the scoring kernel, so the same float32 sums)."""
-    o_ref[...] = _qbar(q_ref, group)
+    slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
+    eligible = (slot >= 1) & (slot < n - 2)
+    # Ineligible slots read page 0's centroid (one cached row) instead of a stray one.
+    phys = jnp.where(eligible, table, jnp.int32(0))
+    cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
+    # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
+    score = jnp.sum(cent * qbar[None, :], axis=1)
+    return jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
 
 
 def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group,
-                  loop, pre_qbar=False):
+                  loop):
     """Grid (B, Hkv, Mpad / (C * loop)): table ``[C * loop]`` (this program's slots), length
     ``[1]`` -> keys ``[C * loop]``, ``loop`` chunks of C in a loop (Triton pipelines its loads
-    with ``num_stages`` > 1). ``pre_qbar``: q_ref holds qbar ``[D]`` float32
-    (:func:`_qbar_kernel`) instead of the group's queries."""
+    with ``num_stages`` > 1)."""
     c0 = pl.program_id(2) * loop
     n = (len_ref[0] + page_size - 1) // page_size
-    qbar = q_ref[...] if pre_qbar else _qbar(q_ref, group)
+    qbar = _qbar(q_ref, group)
     if loop == 1:
         key_ref[...] = _score_chunk(qbar, cent_ref, table_ref[...], n, c0, chunk=chunk)
         return
@@ -106,43 +90,6 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
         return carry
 
     lax.fori_loop(0, loop, body, jnp.int32(0))
-
-
-def _score_all_heads_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk,
-                            group, layout, pre_qbar=False):
-    """Scoring variants with grid (B, Mpad / C): each program reads its C table entries once
-    and scores the pages for all Hkv heads: q ``[Hkv, Rpad, D]``, table ``[C]`` -> keys
-    ``[Hkv, C]``, the same int32 keys as :func:`_score_kernel` (the same per-head float32
-    products and sums over D). Centroids by ``layout``:
-
-    * ``"all_heads"``: ``[Hkv, N, D]`` (the cache's layout), Hkv row gathers of 256 B per page;
-    * ``"page_major"``: ``[N, Hkv * D]``, Hkv column slices of one 2 KB row per page;
-    * ``"page_major_rows"``: ``[N, Hkv * D]``, one 2 KB row gather per page, reshaped to
-      ``[C, Hkv, D]`` on chip (the per-head sums as one reduction over the last axis).
-
-    All loads are issued before the first product (loads in flight). ``pre_qbar``: q_ref
-    holds the qbars ``[Hkv, D]`` float32 (:func:`_qbar_kernel`)."""
-    hkv, d = q_ref.shape[0], q_ref.shape[-1]
-    c = pl.program_id(1)
-    n = (len_ref[0] + page_size - 1) // page_size
-    eligible, phys = _eligible_phys(table_ref[...], n, c, chunk=chunk)
-    if layout == "page_major_rows":
-        rows = cent_ref[phys, :]                                          # [C, Hkv * D]
-        qbar = (q_ref[...] if pre_qbar
-                else jnp.sum(q_ref[...].astype(jnp.float32), axis=1) / group)  # [Hkv, D]
-        cent = rows.astype(jnp.float32).reshape(chunk, hkv, d)
-        score = jnp.sum(cent * qbar[None, :, :], axis=2)                   # [C, Hkv]
-        keys = jnp.where(eligible[:, None], _order_key(score), jnp.int32(_INT_MIN))
-        key_ref[...] = keys.T
-        return
-    if layout == "all_heads":
-        rows = [cent_ref[h, phys, :] for h in range(hkv)]
-    else:
-        rows = [cent_ref[phys, pl.ds(h * d, d)] for h in range(hkv)]
-    for h in range(hkv):
-        qbar = (q_ref[h] if pre_qbar                                       # as :func:`_qbar`
-                else jnp.sum(q_ref[h].astype(jnp.float32), axis=0) / group)
-        key_ref[h, :] = _keys_of_rows(qbar, rows[h], eligible)
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -397,7 +344,7 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          num_stages: int = 2, fuse_select: bool = False,
                          merge_in_kernel: bool = False, score_warps: int = 4,
                          score_loop: int = 1, score_stages: int = 1,
-                         score_variant: str = "head", interpret: bool = False) -> jax.Array:
+                         interpret: bool = False) -> jax.Array:
     """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
 
     ``sparrow_jax.sparse_decode(..., impl="pallas")`` (or ``"auto"`` on a GPU) is the usual way
@@ -430,10 +377,6 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         (:func:`_attend_merge_kernel`); else XLA merges them.
       score_warps, score_loop, score_stages: Triton warps of the scoring kernel, chunks each
         of its programs loops over, and the loop's pipelining depth (two-kernel path).
-      score_variant: the scoring kernel (:func:`score_keys`, same keys): ``"head"`` (default)
-        or the all-heads-per-program ``"all_heads"``, ``"page_major"``, ``"page_major_rows"``
-        (two-kernel path). The page-major ones take ``centroids`` as ``[N, Hkv, D]``
-        (:func:`page_major_centroids`; an experiment: the cache stores ``[Hkv, N, D]``).
       interpret: run the kernels in Pallas' interpreter (CPU tests).
 
     Arguments are checked as by ``sparse_decode`` (:mod:`sparrow_jax.attention.sparse_args`),
@@ -442,26 +385,17 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       ``[B, Hq, D]`` in q's dtype.
     """
-    page_major = score_variant in PAGE_MAJOR_VARIANTS
-    if score_variant not in SCORE_VARIANTS:
-        raise ValueError(f"score_variant must be one of {SCORE_VARIANTS}, got {score_variant!r}")
-    if score_variant != "head" and fuse_select:
-        raise ValueError("fuse_select takes score_variant='head' only")
     _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                None if page_major else centroids, max_budget_pages, block_pages)
-    if page_major and centroids is not None:
-        check_summary("centroids (page-major)", page_major_centroids(centroids), k_pages)
+                centroids, max_budget_pages, block_pages)
     if centroids is None:
         centroids = page_centroids(k_pages)
-        if page_major:
-            centroids = page_major_centroids(centroids)
     return sparse_decode_pallas_checked(
         q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_budget_pages=max_budget_pages, block_pages=block_pages, splits=splits,
         score_chunk=score_chunk, select_warps=select_warps, radix_bits=radix_bits,
         num_warps=num_warps, num_stages=num_stages, fuse_select=fuse_select,
         merge_in_kernel=merge_in_kernel, score_warps=score_warps, score_loop=score_loop,
-        score_stages=score_stages, score_variant=score_variant, interpret=interpret)
+        score_stages=score_stages, interpret=interpret)
 
 
 def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, lengths,
@@ -469,7 +403,7 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, len
                                  block_pages=None, splits=None, score_chunk=64, select_warps=4,
                                  radix_bits=1, num_warps=4, num_stages=2, fuse_select=False,
                                  merge_in_kernel=False, score_warps=4, score_loop=1,
-                                 score_stages=1, score_variant="head", interpret=False):
+                                 score_stages=1, interpret=False):
     """:func:`sparse_decode_pallas` for arguments its caller has already checked (as
     ``sparse_decode`` does) and given centroids: no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
@@ -484,8 +418,7 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, len
                           radix_bits=radix_bits, num_warps=num_warps, num_stages=num_stages,
                           fuse_select=fuse_select, merge_in_kernel=merge_in_kernel,
                           score_warps=score_warps, score_loop=score_loop,
-                          score_stages=score_stages, score_variant=score_variant,
-                          interpret=interpret)
+                          score_stages=score_stages, interpret=interpret)
 
 
 def _dims(page_table, max_pages, score_chunk, block_pages):
@@ -507,16 +440,14 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
 def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages, *, page_size,
                       max_pages, score_chunk=64, block_pages=4, select_warps=4, radix_bits=1,
                       fuse_select=False, score_warps=4, score_loop=1, score_stages=1,
-                      score_variant="head", interpret=False):
+                      interpret=False):
     """Scoring and selection kernels: q_pad ``[B, Hkv, Rpad, D]`` (:func:`pad_heads`) holding
     ``group`` query heads per KV head, centroids ``[Hkv, N, D]``, page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, Kpad]``,
     slots ``[B, Hkv, Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each (sequence,
     KV head) in page order, as physical pages and as slots of the sequence; entries from count
     on repeat the last page. ``fuse_select``: one launch (:func:`_score_select_kernel`), the
-    last-arriving scoring program of each row selects; else two kernels, the scoring one
-    chosen by ``score_variant`` (:func:`score_keys`; page-major ones take centroids
-    ``[N, Hkv, D]``)."""
+    last-arriving scoring program of each row selects; else two kernels."""
     b, hkv, rpad, d = q_pad.shape
     n_total = centroids.shape[1]
     mpad, kpad = _dims(page_table, max_pages, score_chunk, block_pages)
@@ -549,64 +480,17 @@ def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages
 
     keys = score_keys(q_pad, group, centroids, table, lengths, page_size=page_size,
                       score_chunk=score_chunk, score_warps=score_warps, score_loop=score_loop,
-                      score_stages=score_stages, score_variant=score_variant,
-                      interpret=interpret)
+                      score_stages=score_stages, interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, select_warps=select_warps,
                             radix_bits=radix_bits, interpret=interpret)
 
 
-SCORE_VARIANTS = ("head", "all_heads", "page_major", "page_major_rows", "head_qbar",
-                  "all_heads_qbar", "page_major_qbar", "page_major_rows_qbar")
-PAGE_MAJOR_VARIANTS = ("page_major", "page_major_rows", "page_major_qbar",
-                       "page_major_rows_qbar")
-
-
-def mean_queries(q_pad, group, *, interpret=False):
-    """q_pad ``[B, Hkv, Rpad, D]`` -> qbar ``[B, Hkv, D]`` float32 by :func:`_qbar_kernel` (the
-    ``*_qbar`` scoring variants take it precomputed)."""
-    b, hkv, rpad, d = q_pad.shape
-    return pl.pallas_call(
-        functools.partial(_qbar_kernel, group=group), grid=(b, hkv),
-        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi: (bi, hi, 0, 0))],
-        out_specs=pl.BlockSpec((None, None, d), lambda bi, hi: (bi, hi, 0)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, d), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name="sparse_decode_qbar",
-    )(q_pad)
-
-
-def page_major_centroids(centroids: jax.Array) -> jax.Array:
-    """``[Hkv, N, D]`` -> ``[N, Hkv, D]``, the centroid layout of the page-major scoring
-    variants (all heads of a page in one 2 KB row at Hkv=8, D=128, bf16)."""
-    return jnp.swapaxes(centroids, 0, 1)
-
-
 def score_keys(q_pad, group, centroids, table, lengths, *, page_size, score_chunk=64,
-               score_warps=4, score_loop=1, score_stages=1, score_variant="head",
-               interpret=False):
+               score_warps=4, score_loop=1, score_stages=1, interpret=False):
     """The scoring kernel alone: table ``[B, Mpad]`` (padded, :func:`_dims`) -> keys
     ``[B, Hkv, Mpad]`` int32 (:func:`_score_chunk`); each program scores ``score_loop``
-    chunks of ``score_chunk`` slots. ``score_variant`` (:data:`SCORE_VARIANTS`): ``"head"``
-    (the default), grid (B, Hkv, Mpad / C), one KV head per program, centroids
-    ``[Hkv, N, D]``; the others (:func:`_score_all_heads_kernel`), grid (B, Mpad / C), all
-    heads per program, give the same keys: ``"all_heads"`` takes centroids ``[Hkv, N, D]``,
-    ``"page_major"`` and ``"page_major_rows"`` take them ``[N, Hkv, D]``
-    (:func:`page_major_centroids`); ``score_loop`` is ignored there. A ``_qbar`` suffix: the
-    same kernel taking the group's mean query from a separate small kernel
-    (:func:`mean_queries`) instead of reducing the ``[Rpad, D]`` queries in every program."""
-    if score_variant not in SCORE_VARIANTS:
-        raise ValueError(f"score_variant must be one of {SCORE_VARIANTS}, got {score_variant!r}")
-    pre_qbar = score_variant.endswith("_qbar")
-    if pre_qbar:
-        q_pad = mean_queries(q_pad, group, interpret=interpret)[:, :, None, :]   # Rpad 1
-        score_variant = score_variant[:-len("_qbar")]
-    if score_variant != "head":
-        return _score_keys_all_heads(q_pad, group, centroids, table, lengths,
-                                     page_size=page_size, score_chunk=score_chunk,
-                                     score_warps=score_warps, score_stages=score_stages,
-                                     layout=score_variant, pre_qbar=pre_qbar,
-                                     interpret=interpret)
+    chunks of ``score_chunk`` slots."""
     b, hkv, rpad, d = q_pad.shape
     n_total = centroids.shape[1]
     mpad = table.shape[1]
@@ -614,11 +498,9 @@ def score_keys(q_pad, group, centroids, table, lengths, *, page_size, score_chun
     span = score_chunk * loop
     return pl.pallas_call(
         functools.partial(_score_kernel, page_size=page_size, chunk=score_chunk, group=group,
-                          loop=loop, **(dict(pre_qbar=True) if pre_qbar else {})),
+                          loop=loop),
         grid=(b, hkv, mpad // span),
-        in_specs=[pl.BlockSpec((None, None, None, d), lambda bi, hi, ci: (bi, hi, 0, 0))
-                  if pre_qbar else
-                  pl.BlockSpec((None, None, rpad, d), lambda bi, hi, ci: (bi, hi, 0, 0)),
+        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, ci: (bi, hi, 0, 0)),
                   pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
                   pl.BlockSpec((None, span), lambda bi, hi, ci: (bi, ci)),
                   pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
@@ -626,40 +508,6 @@ def score_keys(q_pad, group, centroids, table, lengths, *, page_size, score_chun
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=score_warps, num_stages=score_stages),
         interpret=interpret, name="sparse_decode_score",
-    )(q_pad, centroids, table, lengths)
-
-
-def _score_keys_all_heads(q_pad, group, centroids, table, lengths, *, page_size, score_chunk,
-                          score_warps, score_stages, layout, pre_qbar, interpret):
-    """:func:`score_keys` for the all-heads-per-program variants (q_pad ``[B, Hkv, 1, D]``
-    float32 qbars when ``pre_qbar``)."""
-    b, hkv, rpad, d = q_pad.shape
-    mpad = table.shape[1]
-    chunk = min(score_chunk, mpad)
-    if layout == "all_heads":
-        n_total = centroids.shape[1]
-        cent_spec = pl.BlockSpec((hkv, n_total, d), lambda bi, ci: (0, 0, 0))
-    else:
-        n_total = centroids.shape[0]
-        if centroids.shape != (n_total, hkv, d):
-            raise ValueError(f"score_variant={layout!r} takes centroids [pages_total, kv_heads, "
-                             f"head_dim], got {centroids.shape}")
-        centroids = centroids.reshape(n_total, hkv * d)
-        cent_spec = pl.BlockSpec((n_total, hkv * d), lambda bi, ci: (0, 0))
-    return pl.pallas_call(
-        functools.partial(_score_all_heads_kernel, page_size=page_size, chunk=chunk,
-                          group=group, layout=layout, pre_qbar=pre_qbar),
-        grid=(b, mpad // chunk),
-        in_specs=[pl.BlockSpec((None, hkv, None, d), lambda bi, ci: (bi, 0, 0, 0))
-                  if pre_qbar else
-                  pl.BlockSpec((None, hkv, rpad, d), lambda bi, ci: (bi, 0, 0, 0)),
-                  cent_spec,
-                  pl.BlockSpec((None, chunk), lambda bi, ci: (bi, ci)),
-                  pl.BlockSpec((1,), lambda bi, ci: (bi,))],
-        out_specs=pl.BlockSpec((None, hkv, chunk), lambda bi, ci: (bi, 0, ci)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=score_warps, num_stages=score_stages),
-        interpret=interpret, name=f"sparse_decode_score_{layout}{'_qbar' * pre_qbar}",
     )(q_pad, centroids, table, lengths)
 
 
@@ -753,11 +601,11 @@ def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, length
 @functools.partial(jax.jit, static_argnames=(
     "page_size", "max_pages", "block_pages", "splits", "score_chunk", "select_warps",
     "radix_bits", "num_warps", "num_stages", "fuse_select", "merge_in_kernel", "score_warps",
-    "score_loop", "score_stages", "score_variant", "interpret"))
+    "score_loop", "score_stages", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, block_pages, splits, score_chunk, select_warps,
                    radix_bits, num_warps, num_stages, fuse_select, merge_in_kernel, score_warps,
-                   score_loop, score_stages, score_variant, interpret):
+                   score_loop, score_stages, interpret):
     group = q.shape[1] // k_pages.shape[0]
     q_pad = pad_heads(q, k_pages.shape[0])
     phys, slots, count = select_page_lists(
@@ -765,7 +613,7 @@ def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_p
         max_pages=max_pages, score_chunk=score_chunk, block_pages=block_pages,
         select_warps=select_warps, radix_bits=radix_bits, fuse_select=fuse_select,
         score_warps=score_warps, score_loop=score_loop, score_stages=score_stages,
-        score_variant=score_variant, interpret=interpret)
+        interpret=interpret)
     return attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, block_pages=block_pages, splits=splits,
                              num_warps=num_warps, num_stages=num_stages,

@@ -35,10 +35,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_decode_gpu import (PAGE_MAJOR_VARIANTS, SCORE_VARIANTS, _dims,
-                                             attend_page_lists, default_block_pages,
-                                             default_splits, pad_heads, page_major_centroids,
-                                             score_keys, select_from_keys, select_page_lists,
+from pallas_kernels.sparse_decode_gpu import (_dims, attend_page_lists, default_block_pages,
+                                             default_splits, pad_heads, score_keys,
+                                             select_from_keys, select_page_lists,
                                              sparse_decode_pallas)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
@@ -118,39 +117,22 @@ def read_ceiling(repeats=10, small=False):
 
 
 def parse_variant(spec):
-    """'b8s4w4' -> ('kernel_b8s4w4', dict(block_pages=8, splits=4, num_warps=4)); x<i> is
-    score_variant SCORE_VARIANTS[i] (x2: page-major centroids, made before timing)."""
+    """'b8s4w4' -> ('kernel_b8s4w4', dict(block_pages=8, splits=4, num_warps=4))."""
     names = dict(b="block_pages", s="splits", w="num_warps", c="score_chunk", t="select_warps",
                  r="radix_bits", g="num_stages", f="fuse_select", m="merge_in_kernel",
-                 v="score_warps", l="score_loop", e="score_stages", x="score_variant")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrgfmvlex])(\d+)", spec)}
+                 v="score_warps", l="score_loop", e="score_stages")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrgfmvle])(\d+)", spec)}
     for flag in ("fuse_select", "merge_in_kernel"):
         if flag in kw:
             kw[flag] = bool(kw[flag])
-    if "score_variant" in kw:
-        kw["score_variant"] = SCORE_VARIANTS[kw["score_variant"]]
     return f"kernel_{spec}", kw
 
 
-def parse_score_variant(spec):
-    """'page_major:c32w8' -> ('score_page_major_c32w8', dict(score_variant='page_major',
-    score_chunk=32, score_warps=8)); letters c chunk, w warps, e stages."""
-    variant, _, settings = spec.partition(":")
-    if variant not in SCORE_VARIANTS:
-        raise SystemExit(f"--score-variants: {variant!r} is not one of {SCORE_VARIANTS}")
-    names = dict(c="score_chunk", w="score_warps", e="score_stages")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([cwe])(\d+)", settings)}
-    return f"score_{variant}_{settings}", dict(score_variant=variant, **kw)
-
-
 def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets, kb, b, m,
-                    interpret, score_variants=()):
+                    interpret):
     """Parts of the kernel timed alone (settings of ``kw``): scoring + selection, scoring,
-    selection from given keys, attention + merge from given lists; plus scoring by each of
-    ``score_variants`` (:func:`parse_score_variant`, page-major centroids made here, before
-    timing), each checked to give the baseline scoring's keys bit for bit, and XLA's own
-    centroid scores in both layouts (a gather reference). Each next call's input depends on
-    the last output (through a zero), so the calls stay chained."""
+    selection from given keys, attention + merge from given lists. Each next call's input
+    depends on the last output (through a zero), so the calls stay chained."""
     kw = dict(kw)
     score_kw = {k: v for k, v in kw.items()
                 if k in ("score_chunk", "score_warps", "score_loop", "score_stages")}
@@ -196,53 +178,10 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
                                  merge_in_kernel=kw.get("merge_in_kernel", False),
                                  interpret=interpret)
 
-    def score_only_kw(q_, c_, t_, l_, skw_):
-        keys_ = score_keys(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, page_size=P,
-                           interpret=interpret, **skw_)
-        return q_ + (keys_[:, :, 1].sum() == -1).astype(q_.dtype)
-
-    cases = {"part_score": (None, score_only, (q, centroids, table_pad, lengths),
-                            centroid_bytes)}
-    cent_pm = None
-    keys_np = np.asarray(keys)
-    for name, skw in score_variants:
-        page_major = skw["score_variant"] in PAGE_MAJOR_VARIANTS
-        if page_major and cent_pm is None:
-            cent_pm = jax.block_until_ready(page_major_centroids(centroids))
-        cent_v = cent_pm if page_major else centroids
-        fn = functools.partial(score_only_kw, skw_=skw)
-        try:
-            got = np.asarray(score_keys(q_pad, HQ // HKV, cent_v, table_pad, lengths,
-                                        page_size=P, interpret=interpret, **skw))
-            extra = dict(keys_mismatch=int((got != keys_np).sum()),
-                         keys_max_int_gap=int(np.abs(got.astype(np.int64) - keys_np).max()))
-        except Exception as e:  # noqa: BLE001 (reported, and the timing fails alike)
-            extra = dict(keys_error=f"{type(e).__name__}: {e}"[:1000])
-        cases[f"part_{name}"] = (None, fn, (q, cent_v, table_pad, lengths), centroid_bytes,
-                                 extra)
-    if score_variants:
-        if cent_pm is None:
-            cent_pm = jax.block_until_ready(page_major_centroids(centroids))
-        for layout, c_ in (("head_major", centroids), ("page_major", cent_pm)):
-            cases[f"part_xla_scores_{layout}"] = (
-                None, functools.partial(xla_scores_only, layout=layout),
-                (q, c_, table, lengths), centroid_bytes)
-        # Diagnostic: each row's pages contiguous in the pool (table = arange; other data, so
-        # other keys): the baseline and the first variant reading without a scattered gather.
-        ident = jnp.arange(b * mpad, dtype=jnp.int32).reshape(b, mpad) % centroids.shape[1]
-        cases["part_score_identity_table"] = (None, score_only,
-                                              (q, centroids, ident, lengths), centroid_bytes)
-        name, skw = score_variants[0]
-        cases[f"part_{name}_identity_table"] = (
-            None, functools.partial(score_only_kw, skw_=skw),
-            (q, cent_pm if skw["score_variant"] in PAGE_MAJOR_VARIANTS else centroids, ident,
-             lengths), centroid_bytes)
-        # The baseline again after the variants (drift within the run).
-        cases["part_score_again"] = cases["part_score"]
-
-    return {**cases,
-            "part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
+    return {"part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
                                   centroid_bytes),
+            "part_score": (None, score_only, (q, centroids, table_pad, lengths),
+                           centroid_bytes),
             # Diagnostic: the same rows' pages in increasing pool order (locality of the
             # 256-byte centroid reads; same bytes).
             "part_score_sorted": (None, score_only,
@@ -252,21 +191,6 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
                             keys.nbytes),
             "part_attend": (None, attend_only, (q, k_pages, v_pages, phys, slots, count,
                                                 lengths), b * HKV * kb * P * D * 2 * 2)}
-
-
-def xla_scores_only(q, cent, table, lengths, *, layout):
-    """XLA's centroid scores of the eligible-or-not pages (float32, as :func:`composition`)
-    with centroids ``[Hkv, N, D]`` (``head_major``) or ``[N, Hkv, D]``: a reference for how
-    fast XLA's own gathers read the same bytes in each layout."""
-    b, hq, d = q.shape
-    qbar = jnp.mean(q.reshape(b, HKV, hq // HKV, d).astype(jnp.float32), axis=2)
-    if layout == "head_major":
-        scores = jnp.einsum("bhd,hbmd->bhm", qbar,
-                            jnp.take(cent, table, axis=1).astype(jnp.float32))
-    else:
-        scores = jnp.einsum("bhd,bmhd->bhm", qbar, jnp.take(cent, table, axis=0)
-                            .astype(jnp.float32))
-    return q + (scores[:, :, 1].sum() == -1).astype(q.dtype)
 
 
 def selection_agreement(q, centroids, table, lengths, budgets, max_pages):
@@ -325,12 +249,6 @@ def main(argv=None):
                     help="also time, with the first variant's settings, scoring + selection, "
                          "scoring alone, selection alone (given keys) and attention + merge "
                          "alone (given lists)")
-    ap.add_argument("--score-variants", default="",
-                    help="with --breakdown: scoring kernels to time beside the baseline's, comma "
-                         "separated, each VARIANT:SETTINGS with VARIANT one of "
-                         f"{', '.join(SCORE_VARIANTS)} and SETTINGS letters+numbers: c chunk, "
-                         "w warps, e stages (e.g. page_major:c32w8); each is checked to give "
-                         "the baseline scoring's keys bit for bit (keys_mismatch)")
     ap.add_argument("--interpret", action="store_true",
                     help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
     args = ap.parse_args(argv)
@@ -340,7 +258,6 @@ def main(argv=None):
     ceiling = read_ceiling(small=args.interpret)
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
     variants = [parse_variant(c) for c in args.kernel_configs.split(",")]
-    score_variants = [parse_score_variant(s) for s in args.score_variants.split(",") if s]
     rows = []
     rng = np.random.default_rng(0)
     for ctx in args.contexts:
@@ -372,7 +289,6 @@ def main(argv=None):
                     paged_attention_pallas, interpret=args.interpret),
                                                (q, k_pages, v_pages, table, lengths), dense_bytes)
             budget_list = (args.budgets if ctx in args.sweep_contexts else [args.main_budget])
-            cent_pm = None
             for budget_tokens in budget_list:
                 kb = budget_tokens // P
                 if kb >= m:
@@ -395,31 +311,20 @@ def main(argv=None):
                         lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_pallas(
                             q_, k_, v_, t_, l_, bu_, centroids=c_, **kw_),
                         page_size=P, max_budget_pages=kb, interpret=args.interpret, **kw)
-                    cent_v = centroids
-                    if kw.get("score_variant") in PAGE_MAJOR_VARIANTS:
-                        # The page-major copy is made here, outside the timed loop.
-                        if cent_pm is None:
-                            cent_pm = jax.block_until_ready(page_major_centroids(centroids))
-                        cent_v = cent_pm
                     cases[f"{name}@{budget_tokens}"] = (
-                        budget_tokens, fn, (q, k_pages, v_pages, cent_v, table, lengths,
+                        budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
                 if args.breakdown:
                     parts = breakdown_cases(variants[0][1], q, k_pages, v_pages, centroids,
-                                            table, lengths, budgets, kb, b, m, args.interpret,
-                                            score_variants)
+                                            table, lengths, budgets, kb, b, m, args.interpret)
                     cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
                     # Scoring alone with each other variant's settings.
-                    # (Variants with a score_variant: see --score-variants instead; their
-                    # breakdown would time the default scoring at their chunk size.)
                     for name, kw in variants[1:]:
-                        if "score_variant" in kw:
-                            continue
                         part = breakdown_cases(kw, q, k_pages, v_pages, centroids, table,
                                                lengths, budgets, kb, b, m, args.interpret)
                         cases[f"part_score_{name[7:]}@{budget_tokens}"] = part["part_score"]
             refs = {}
-            for name, (bt, fn, fn_args, nbytes, *extra) in cases.items():
+            for name, (bt, fn, fn_args, nbytes) in cases.items():
                 try:
                     out = jax.block_until_ready(jax.jit(fn)(*fn_args))
                     err = None
@@ -449,26 +354,19 @@ def main(argv=None):
                            budget_tokens=bt or (int(name.split("@")[1]) if "@" in name else None),
                            context=ctx, batch=b,
                            ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
-                           frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err,
-                           **(extra[0] if extra else {}))
+                           frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del k_pages, v_pages, cases
-            fn_args = refs = k_cont = v_cont = out = cent_pm = None  # free the device buffers
-            if args.out:   # after each shape, so that a run cut short keeps its rows
-                write_out(args.out, dev, ceiling, rows)
+            fn_args = refs = k_cont = v_cont = out = None  # free the device buffers
     table_rows = summarize(rows)
     if args.out:
-        write_out(args.out, dev, ceiling, rows)
+        with open(args.out, "w") as f:
+            json.dump(dict(device=dev.device_kind, jax=jax.__version__,
+                           read_ceiling_gb_s=ceiling, argv=sys.argv[1:], rows=rows), f, indent=1)
     print(f"\nread ceiling {ceiling:.0f} GB/s; device {dev.device_kind}")
     print("\n".join(table_rows))
     return 0
-
-
-def write_out(path, dev, ceiling, rows):
-    with open(path, "w") as f:
-        json.dump(dict(device=dev.device_kind, jax=jax.__version__, read_ceiling_gb_s=ceiling,
-                       argv=sys.argv[1:], rows=rows), f, indent=1)
 
 
 def summarize(rows):
@@ -505,9 +403,7 @@ def summarize(rows):
         out.append("")
         out.append("breakdown (first variant's settings): " + "; ".join(
             f"ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl'][5:]} "
-            f"{r['ms'] * 1e3:.1f} us ({r['gb_per_s']:.0f} GB/s"
-            + (f", keys differ: {r['keys_mismatch']}" if "keys_mismatch" in r else "") + ")"
-            for r in parts))
+            f"{r['ms'] * 1e3:.1f} us ({r['gb_per_s']:.0f} GB/s)" for r in parts))
     return out
 
 

@@ -13,9 +13,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_decode_gpu import (PAGE_MAJOR_VARIANTS, _dims, pad_heads,
-                                              page_major_centroids, score_keys,
-                                              select_page_lists, sparse_decode_pallas)
+from pallas_kernels.sparse_decode_gpu import (pad_heads, select_page_lists,
+                                              sparse_decode_pallas)
 
 INTERPRET = jax.default_backend() == "cpu"
 P = 16
@@ -138,67 +137,6 @@ def test_settings_do_not_change_the_result(kw):
     rng = np.random.default_rng(7)
     check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
           dtype=jnp.float32, **kw)
-
-
-def key_scores(keys):
-    """int32 keys -> the float32 scores they encode (the kernel's order-preserving map)."""
-    k = np.asarray(keys)
-    return np.where(k < 0, k ^ 0x7FFFFFFF, k).astype(np.int32).view(np.float32)
-
-
-@pytest.mark.parametrize("variant,chunk", [("all_heads", 16), ("page_major", 32),
-                                           ("page_major_rows", 16), ("head_qbar", 32),
-                                           ("page_major_qbar", 16)])
-def test_score_variants_give_the_same_keys(variant, chunk):
-    """The all-heads-per-program scoring variants (cache layout and page-major centroids)
-    (and the variants taking the mean query from a separate kernel, "_qbar")
-    give score_keys' int32 keys: scattered pages, ragged lengths (1 token, partial and whole
-    pages, shorter than a chunk), bf16 centroids. On small-integer data every float32 sum is
-    exact, so the keys must be equal bit for bit in any summation order: the layouts, gathers,
-    eligibility and transposes are what is tested. On random data the GPU must give the same
-    bits too (scripts/bench_decode.py checks it at full size); XLA on CPU (the interpreter)
-    sums a [C, D] block's products in an order that depends on C and on the fusion, even for
-    score_keys alone, so there the scores need only agree to float32 rounding."""
-    rng = np.random.default_rng(21)
-    hkv, r, d = 4, 4, 32
-    lengths = [1, 40, 33 * P, 1000, 511]
-    q, _, _, cent, table, lengths = make_case(rng, lengths=lengths, hkv=hkv, r=r, d=d,
-                                              dtype=jnp.bfloat16)
-    mpad, _ = _dims(table, table.shape[1], 16, 4)
-    table = jnp.pad(table, ((0, 0), (0, mpad - table.shape[1])))
-    exact_q = jnp.asarray(rng.integers(-3, 4, q.shape), jnp.bfloat16)       # mean: /4, exact
-    exact_cent = jnp.asarray(rng.integers(-16, 17, cent.shape) / 8, jnp.bfloat16)
-    for q_, cent_, exact in ((exact_q, exact_cent, True), (q, cent, not INTERPRET)):
-        q_pad = pad_heads(q_, hkv)
-        want = np.asarray(score_keys(q_pad, r, cent_, table, lengths, page_size=P,
-                                     score_chunk=16, interpret=INTERPRET))
-        got = np.asarray(score_keys(q_pad, r, page_major_centroids(cent_)
-                                    if variant in PAGE_MAJOR_VARIANTS else cent_, table,
-                                    lengths, page_size=P, score_chunk=chunk,
-                                    score_variant=variant, interpret=INTERPRET))
-        assert got.shape == want.shape == (len(lengths), hkv, mpad)
-        scored = want != np.iinfo(np.int32).min
-        assert scored[:, :, 1].sum() == 3 * hkv                # rows of >= 4 pages
-        np.testing.assert_array_equal(got != np.iinfo(np.int32).min, scored)
-        if exact:
-            np.testing.assert_array_equal(got, want)
-        else:
-            sg, sw = key_scores(got)[scored], key_scores(want)[scored]
-            assert np.abs(sg - sw).max() <= 1e-5 * np.abs(sw).max()
-
-
-def test_page_major_scoring_through_the_whole_step():
-    """score_variant="page_major" with [N, Hkv, D] centroids: the float64 reference's output."""
-    rng = np.random.default_rng(23)
-    q, k, v, cent, table, lengths = make_case(rng, lengths=[300, 90, 517], hkv=2, r=2, d=64,
-                                              dtype=jnp.float32)
-    budgets = jnp.asarray([6, 4, 9], jnp.int32)
-    out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P,
-                               centroids=page_major_centroids(cent), score_variant="page_major",
-                               score_chunk=16, interpret=INTERPRET)
-    want, _ = sparse_decode_np(as64(q), as64(k), as64(v), as64(cent), np.asarray(table),
-                               np.asarray(lengths), np.asarray(budgets))
-    assert np.abs(as64(out) - want).max() / np.abs(want).max() < 1e-5
 
 
 def lists_as_sets(phys, slots, count):
