@@ -25,9 +25,7 @@ import argparse
 import functools
 import json
 import re
-import statistics
 import sys
-import time
 import warnings
 
 import jax
@@ -39,23 +37,11 @@ from pallas_kernels.sparse_decode_gpu import (_dims, attend_page_lists, default_
                                              default_splits, pad_heads, score_keys,
                                              select_from_keys, select_page_lists,
                                              sparse_decode_pallas)
+from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds, read_ceiling
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
 
 HQ, HKV, D, P = 32, 8, 128, 16
-
-
-def contiguous_attention(q, k, v, lengths):
-    """Dense decode on a contiguous cache: q ``[B, Hq, D]``, k/v ``[B, H, S, D]``."""
-    b, hq, d = q.shape
-    h = k.shape[1]
-    qg = q.reshape(b, h, hq // h, d)
-    s = jnp.einsum("bhrd,bhsd->bhrs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
-    s = jnp.where(valid[:, None, None, :], s, -1e30)
-    w = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bhrs,bhsd->bhrd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, hq, d).astype(q.dtype)
 
 
 def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, interpret=False):
@@ -84,36 +70,6 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
         v_pages.reshape(1, h * n_total, P, d), phys.reshape(b * h, budget),
         jnp.repeat(lens, h), interpret=interpret)
     return out.reshape(b, hq, d)
-
-
-def chained(fn, chain):
-    @jax.jit
-    def run(q, *args):
-        return lax.fori_loop(0, chain, lambda _, x: fn(x, *args), q)
-    return run
-
-
-def timed(run, args, repeats):
-    jax.block_until_ready(run(*args))           # compile + warm-up
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
-
-
-def read_ceiling(repeats=10, small=False):
-    """GB/s of the faster of a sum and a max over a 4 GiB float32 array."""
-    x = jax.random.normal(jax.random.key(0), (1 << (20 if small else 30),), jnp.float32)
-    best = 0.0
-    for red in (jnp.sum, jnp.max):
-        f = jax.jit(red)
-        t = timed(lambda a: f(a), (x,), repeats)
-        best = max(best, x.nbytes / t / 1e9)
-    del x
-    return best
 
 
 def parse_variant(spec):
@@ -344,7 +300,7 @@ def main(argv=None):
                             print(f"{name} ctx={ctx} b={b}: rel err {err:.1e}; page sets differ "
                                   f"from the reference in {nbad}/{rows_} rows, largest relative "
                                   f"score gap {gap:.1e}", flush=True)
-                    t = timed(chained(fn, args.chain), fn_args, args.repeats) / args.chain
+                    t = median_seconds(chained(fn, args.chain), fn_args, args.repeats) / args.chain
                 except Exception as e:  # a variant that fails to build is a result too
                     msg = f"{type(e).__name__}: {e}"
                     print(f"{name} ctx={ctx} b={b}: FAILED {msg[:2000]}", flush=True)

@@ -28,6 +28,7 @@ import time
 
 import jax
 
+from sparrow_jax.benchmarking import peak_bytes
 from sparrow_jax.data import DataConfig
 from sparrow_jax.rl.config import ModelSpec, RolloutSettings, TrainConfig, UpdateConfig
 from sparrow_jax.rl.trainer import Trainer
@@ -59,12 +60,6 @@ def schedule_spec(name: str):
     if kind == "fixed":
         return {"kind": "fixed", "pages": int(value)}
     raise SystemExit(f"--schedule: paper:<model>, fixed:<pages> or dense, got {name!r}")
-
-
-def peak_bytes():
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    return None if not stats else stats.get("peak_bytes_in_use")
 
 
 def main(argv=None):

@@ -15,46 +15,14 @@ from __future__ import annotations
 import argparse
 import functools
 import json
-import statistics
 import sys
-import time
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds
 from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_xla
-
-
-def contiguous_attention(q, k, v, lengths):
-    """q ``[B, Hq, D]``, k/v ``[B, H, S, D]`` contiguous; same contract as the paged ones."""
-    b, hq, d = q.shape
-    h = k.shape[1]
-    qg = q.reshape(b, h, hq // h, d)
-    s = jnp.einsum("bhrd,bhsd->bhrs", qg, k, preferred_element_type=jnp.float32) * d ** -0.5
-    valid = jnp.arange(k.shape[2])[None, :] < lengths[:, None]
-    s = jnp.where(valid[:, None, None, :], s, -1e30)
-    w = jax.nn.softmax(s, axis=-1)
-    out = jnp.einsum("bhrs,bhsd->bhrd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
-    return out.reshape(b, hq, d).astype(q.dtype)
-
-
-def chained(fn, chain):
-    @jax.jit
-    def run(q, *args):
-        return jax.lax.fori_loop(0, chain, lambda _, x: fn(x, *args), q)
-    return run
-
-
-def timed(run, args, repeats):
-    jax.block_until_ready(run(*args))           # compile + warm-up
-    jax.block_until_ready(run(*args))
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(run(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
 
 
 def main(argv=None):
@@ -106,7 +74,7 @@ def main(argv=None):
             for name, (fn, fn_args) in cases.items():
                 try:
                     err = float(np.abs(np.asarray(jax.jit(fn)(*fn_args), np.float32) - ref).max())
-                    t = timed(chained(fn, args.chain), fn_args, args.repeats) / args.chain
+                    t = median_seconds(chained(fn, args.chain), fn_args, args.repeats) / args.chain
                 except Exception as e:  # a kernel that fails to build is a result too
                     print(f"{name} ctx={ctx} b={b}: FAILED {type(e).__name__}: {e}", flush=True)
                     rows.append(dict(impl=name, context=ctx, batch=b, error=str(e)[:500]))

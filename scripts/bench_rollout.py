@@ -47,6 +47,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparrow_jax.benchmarking import peak_bytes, read_ceiling
 from sparrow_jax.attention.allocator import PageAllocator
 from sparrow_jax.attention.paged_cache import PagedKVCache, append_token
 from sparrow_jax.config import ModelConfig
@@ -74,23 +75,6 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 
 # ------------------------------------------------------------------------------ set-up
-def read_ceiling(small=False, repeats=10):
-    """GB/s of the faster of a sum and a max over a 4 GiB float32 array."""
-    x = jax.random.normal(jax.random.key(0), (1 << (20 if small else 30),), jnp.float32)
-    best = 0.0
-    for red in (jnp.sum, jnp.max):
-        f = jax.jit(red)
-        jax.block_until_ready(f(x))
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            jax.block_until_ready(f(x))
-            times.append(time.perf_counter() - t0)
-        best = max(best, x.nbytes / statistics.median(times) / 1e9)
-    del x
-    return best
-
-
 BUCKET = [256]   # RolloutConfig.table_bucket_pages (--table-bucket)
 
 
@@ -363,12 +347,6 @@ def pick_batch(cfg, rc, prompt_len, model, margin_gib):
           f"{stats.get('bytes_in_use', 0) / 2**30:.1f} GiB, a {rc.max_new_tokens}-token row "
           f"{per_row / 2**30:.3f} GiB -> batch {batch}", flush=True)
     return batch, info
-
-
-def peak_bytes():
-    dev = jax.devices()[0]
-    stats = dev.memory_stats() if hasattr(dev, "memory_stats") else None
-    return None if not stats else stats.get("peak_bytes_in_use")
 
 
 def schedule_for(mode):

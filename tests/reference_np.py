@@ -48,9 +48,12 @@ def attend_np(q: np.ndarray, keys: np.ndarray, values: np.ndarray) -> np.ndarray
 
 
 def sparse_decode_np(q, k_pages, v_pages, page_table, lengths, budget_pages, *, page_size=16,
-                     scorer="centroid", return_pages=False):
+                     scorer="centroid", centroids=None, return_pages=False):
     """q ``[B, Hq, D]``, k/v_pages ``[Hkv, N, P, D]``, page_table ``[B, M]``, lengths ``[B]``,
-    budget_pages ``[B]`` -> ``[B, Hq, D]`` float64 (and the chosen pages per (b, h) if asked)."""
+    budget_pages ``[B]`` -> ``[B, Hq, D]`` float64 (and the chosen pages per (b, h) if asked).
+
+    ``centroids [Hkv, N, D]``: the centroid scorer's page means as a cache stores them (rounded
+    to its dtype); by default the exact means of the keys."""
     q, k_pages, v_pages = (np.asarray(x, np.float64) for x in (q, k_pages, v_pages))
     bsz, hq, d = q.shape
     hkv = k_pages.shape[0]
@@ -65,8 +68,13 @@ def sparse_decode_np(q, k_pages, v_pages, page_table, lengths, budget_pages, *, 
             scores = np.full(n, -np.inf)
             for j in range(1, n - 2):  # only full pages are ever scored
                 keys = k_pages[h, page_table[b, j]]
-                scores[j] = (centroid_score_np(group, keys) if scorer == "centroid"
-                             else quest_score_np(group, keys))
+                if scorer == "quest":
+                    scores[j] = quest_score_np(group, keys)
+                elif centroids is None:
+                    scores[j] = centroid_score_np(group, keys)
+                else:
+                    stored = np.asarray(centroids[h, page_table[b, j]], np.float64)
+                    scores[j] = float(group.mean(axis=0) @ stored)
             pages = select_pages_np(scores, n, int(budget_pages[b]))
             pages_used[b, h] = pages
             ks, vs = [], []

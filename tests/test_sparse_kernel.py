@@ -1,12 +1,10 @@
-"""The Pallas sparse decode kernels (pallas_kernels/sparse_decode_gpu.py) against a float64 NumPy
-reference written here from DESIGN 3.2, independently of the kernel code.
+"""The Pallas sparse decode kernels (pallas_kernels/sparse_decode_gpu.py) against the float64 NumPy
+reference of DESIGN 3.2 (tests/reference_np.py), written independently of the kernel code.
 
 On CPU the kernels run in Pallas' interpreter; on a GPU the same tests compile them with Triton.
 """
 
 from __future__ import annotations
-
-import math
 
 import jax
 import jax.numpy as jnp
@@ -15,49 +13,18 @@ import pytest
 
 from pallas_kernels.sparse_decode_gpu import (pad_heads, select_page_lists,
                                               sparse_decode_pallas)
+from reference_np import select_pages_np, sparse_decode_np
 
 INTERPRET = jax.default_backend() == "cpu"
 P = 16
 
 
-# ---------------------------------------------------------------- float64 reference (DESIGN 3.2)
-
-def chosen_pages_np(q_group, centroids, row_table, length, budget):
-    """Page slots one (sequence, KV head) attends to, in page order. q_group ``[r, D]``,
-    centroids ``[N, D]`` as stored (cache dtype), row_table ``[M]``."""
-    n = -(-length // P)
-    if n <= budget:
-        return list(range(n))
-    qbar = q_group.astype(np.float64).mean(axis=0)
-    scored = [(-float(qbar @ centroids[row_table[j]].astype(np.float64)), j)
-              for j in range(1, n - 2)]
-    top = [j for _, j in sorted(scored)[: budget - 3]]     # higher score, then lower index first
-    return sorted([0, *top, n - 2, n - 1])
-
-
-def sparse_decode_np(q, k, v, centroids, table, lengths, budgets):
-    """q ``[B, Hq, D]``, k/v ``[Hkv, N, P, D]``, centroids ``[Hkv, N, D]`` -> float64 output and
-    the chosen slots per (b, h)."""
-    b_, hq, d = q.shape
-    hkv = k.shape[0]
-    r = hq // hkv
-    out = np.zeros((b_, hq, d))
-    chosen = {}
-    for b in range(b_):
-        length = int(lengths[b])
-        for h in range(hkv):
-            group = q[b, h * r:(h + 1) * r]
-            pages = chosen_pages_np(group, centroids[h], table[b], length, int(budgets[b]))
-            chosen[b, h] = pages
-            keys = np.concatenate([k[h, table[b, j]] for j in pages]).astype(np.float64)
-            vals = np.concatenate([v[h, table[b, j]] for j in pages]).astype(np.float64)
-            pos = np.concatenate([j * P + np.arange(P) for j in pages])
-            keys, vals = keys[pos < length], vals[pos < length]
-            for i in range(r):
-                logits = keys @ group[i].astype(np.float64) / math.sqrt(d)
-                w = np.exp(logits - logits.max())
-                out[b, h * r + i] = w @ vals / w.sum()
-    return out, chosen
+def reference(q, k, v, cent, table, lengths, budgets):
+    """The float64 reference (tests/reference_np.py, DESIGN 3.2) scoring the stored centroids
+    -> (output, chosen slots per (b, h))."""
+    return sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table), np.asarray(lengths),
+                            np.asarray(budgets), page_size=P, centroids=as64(cent),
+                            return_pages=True)
 
 
 # ---------------------------------------------------------------- random cases
@@ -91,8 +58,7 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, **kw):
     out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, centroids=cent,
                                interpret=INTERPRET, **kw)
     assert out.shape == q.shape and out.dtype == q.dtype
-    want, _ = sparse_decode_np(as64(q), as64(k), as64(v), as64(cent), np.asarray(table),
-                               np.asarray(lengths), np.asarray(budgets))
+    want, _ = reference(q, k, v, cent, table, lengths, budgets)
     got = as64(out)
     assert np.isfinite(got).all()
     rel = np.abs(got - want).max() / np.abs(want).max()
@@ -157,8 +123,7 @@ def test_selection_equals_reference_and_lists_are_padded(fuse_select):
         pad_heads(q, 2), 2, cent, table, lengths, jnp.asarray(budgets), page_size=P,
         max_pages=max_pages, fuse_select=fuse_select, interpret=INTERPRET)
     got, phys = lists_as_sets(phys, slots, count)
-    _, want = sparse_decode_np(as64(q), as64(k), as64(v), as64(cent), np.asarray(table),
-                               np.asarray(lengths), budgets)
+    _, want = reference(q, k, v, cent, table, lengths, budgets)
     assert got == want
     tab = np.asarray(table)
     for (b, h), pages in want.items():
@@ -207,9 +172,10 @@ def test_negative_and_zero_scores_order_correctly():
         jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n_total * P, jnp.int32),
         jnp.asarray(budgets), page_size=P, max_pages=n_total, interpret=INTERPRET)
     got, _ = lists_as_sets(phys, slots, count)
+    scores = np.full(n_total, -np.inf)
+    scores[1:n_total - 2] = cent[0, table[1:n_total - 2], 0]    # qbar = e_0
     for i, budget in enumerate(budgets):
-        want = chosen_pages_np(q[0], cent[0], table, n_total * P, int(budget))
-        assert got[i, 0] == want, budget
+        assert got[i, 0] == select_pages_np(scores, n_total, int(budget)), budget
 
 
 def test_zero_length_row_gives_zeros():
