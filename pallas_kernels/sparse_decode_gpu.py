@@ -327,11 +327,29 @@ def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_siz
         check_summary("centroids", centroids, k_pages)
 
 
-def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
-    """Splits of each page list: enough programs to fill ~4 waves of 132 SMs, at most one
-    block of pages per split."""
+# Attention kernel settings from the H100 sweep (notes/kernel_notes.md 10): 2 warps and no
+# software pipelining leave 228 registers a thread and 4 programs per SM, whose loads in flight
+# read faster than Triton's 2-stage pipeline at 4 warps (133 registers, 3 programs per SM).
+ATTEND_WARPS = 2
+ATTEND_STAGES = 1
+ATTEND_PROGRAMS_PER_SM = 4
+
+
+def _sm_count() -> int:
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+
+
+def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int,
+                   slots: int | None = None) -> int:
+    """Splits of each page list: as many as one wave of attention programs holds (``slots``,
+    default 4 per SM), at least one, at most one block of pages per split. One wave, because a
+    second, partly filled wave leaves the GPU idle at its end: at batch 32 (256 rows) two splits
+    took 180 us where four took 183-197 (H100)."""
+    if slots is None:
+        slots = ATTEND_PROGRAMS_PER_SM * _sm_count()
     blocks = -(-max_pages // block_pages)
-    return int(max(1, min(blocks, _pow2(-(-528 // (batch * kv_heads))))))
+    return int(max(1, min(blocks, slots // (batch * kv_heads))))
 
 
 def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -340,8 +358,9 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          centroids: jax.Array | None = None,
                          max_budget_pages: int | None = None, block_pages: int | None = None,
                          splits: int | None = None, score_chunk: int = 64,
-                         select_warps: int = 4, radix_bits: int = 1, num_warps: int = 4,
-                         num_stages: int = 2, fuse_select: bool = False,
+                         select_warps: int = 4, radix_bits: int = 1,
+                         num_warps: int = ATTEND_WARPS, num_stages: int = ATTEND_STAGES,
+                         fuse_select: bool = False,
                          merge_in_kernel: bool = False, score_warps: int = 4,
                          score_loop: int = 1, score_stages: int = 1,
                          interpret: bool = False) -> jax.Array:
@@ -401,7 +420,8 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, lengths,
                                  budget_pages, *, page_size, max_budget_pages=None,
                                  block_pages=None, splits=None, score_chunk=64, select_warps=4,
-                                 radix_bits=1, num_warps=4, num_stages=2, fuse_select=False,
+                                 radix_bits=1, num_warps=ATTEND_WARPS,
+                                 num_stages=ATTEND_STAGES, fuse_select=False,
                                  merge_in_kernel=False, score_warps=4, score_loop=1,
                                  score_stages=1, interpret=False):
     """:func:`sparse_decode_pallas` for arguments its caller has already checked (as
@@ -535,7 +555,8 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 
 
 def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths, *,
-                      page_size, block_pages, splits, num_warps=4, num_stages=2,
+                      page_size, block_pages, splits, num_warps=ATTEND_WARPS,
+                      num_stages=ATTEND_STAGES,
                       merge_in_kernel=False, interpret=False):
     """Attention kernel and split merge: q_pad ``[B, Hkv, Rpad, D]`` with ``group`` real heads,
     pages ``[Hkv, N, P, D]``, the lists of :func:`select_page_lists`, lengths ``[B]`` ->

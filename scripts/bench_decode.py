@@ -33,7 +33,8 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_decode_gpu import (_dims, attend_page_lists, default_block_pages,
+from pallas_kernels.sparse_decode_gpu import (ATTEND_STAGES, ATTEND_WARPS, _dims,
+                                             attend_page_lists, default_block_pages,
                                              default_splits, pad_heads, score_keys,
                                              select_from_keys, select_page_lists,
                                              sparse_decode_pallas)
@@ -129,10 +130,18 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
     def attend_only(q_, k_, v_, ph_, sl_, co_, l_):
         return attend_page_lists(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_, l_,
                                  page_size=P, block_pages=block_pages, splits=splits,
-                                 num_warps=kw.get("num_warps", 4),
-                                 num_stages=kw.get("num_stages", 2),
+                                 num_warps=kw.get("num_warps", ATTEND_WARPS),
+                                 num_stages=kw.get("num_stages", ATTEND_STAGES),
                                  merge_in_kernel=kw.get("merge_in_kernel", False),
                                  interpret=interpret)
+
+    # Diagnostic: every row's list is kb consecutive pages of the pool (same count, same
+    # bytes), so the attention reads 2 x kb x 4 KB contiguous per (row, KV head) instead of
+    # 4 KB pieces scattered by the selection.
+    run = (jnp.arange(b, dtype=jnp.int32) * m)[:, None, None] + jnp.arange(
+        phys.shape[-1], dtype=jnp.int32)
+    run = jnp.broadcast_to(jnp.minimum(run, b * m - 1), phys.shape)
+    slots_run = jnp.broadcast_to(jnp.arange(phys.shape[-1], dtype=jnp.int32), phys.shape)
 
     return {"part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
                                   centroid_bytes),
@@ -146,7 +155,10 @@ def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets,
             "part_select": (None, select_keys_only, (keys, table_pad, lengths, budgets),
                             keys.nbytes),
             "part_attend": (None, attend_only, (q, k_pages, v_pages, phys, slots, count,
-                                                lengths), b * HKV * kb * P * D * 2 * 2)}
+                                                lengths), b * HKV * kb * P * D * 2 * 2),
+            "part_attend_runs": (None, attend_only, (q, k_pages, v_pages, run, slots_run,
+                                                     count, lengths),
+                                 b * HKV * kb * P * D * 2 * 2)}
 
 
 def selection_agreement(q, centroids, table, lengths, budgets, max_pages):
@@ -205,6 +217,9 @@ def main(argv=None):
                     help="also time, with the first variant's settings, scoring + selection, "
                          "scoring alone, selection alone (given keys) and attention + merge "
                          "alone (given lists)")
+    ap.add_argument("--contiguous-table", action="store_true",
+                    help="diagnostic: each sequence's pages consecutive in the pool (the same "
+                         "bytes as the default scattered table, read in address order)")
     ap.add_argument("--interpret", action="store_true",
                     help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
     args = ap.parse_args(argv)
@@ -228,7 +243,8 @@ def main(argv=None):
             # One KV head at a time: a float32 copy of the whole cache may not fit.
             centroids = jnp.stack([jnp.mean(k_pages[i].astype(jnp.float32), axis=1)
                                    for i in range(HKV)]).astype(jnp.bfloat16)
-            table = jnp.asarray(rng.permutation(n_total).reshape(b, m).astype(np.int32))
+            order = np.arange(n_total) if args.contiguous_table else rng.permutation(n_total)
+            table = jnp.asarray(order.reshape(b, m).astype(np.int32))
             lengths = jnp.full((b,), ctx, jnp.int32)
             q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
             dense_bytes = 2 * b * ctx * HKV * D * 2

@@ -35,5 +35,10 @@ def hf_case_names() -> list[str]:
     return json.loads((HF_FIXTURES / "manifest.json").read_text())["cases"]
 
 
-requires_hf = pytest.mark.skipif(not HF_PYTHON.exists(),
-                                 reason="needs .venv-hf (bash scripts/make_hf_venv.sh)")
+@pytest.fixture
+def hf_python() -> Path:
+    """The transformers venv's interpreter, for tests marked ``hf`` (deselected by default):
+    selecting them without the venv is an error, not a silent skip."""
+    if not HF_PYTHON.exists():
+        pytest.fail(f"tests marked hf need {HF_PYTHON}: run bash scripts/make_hf_venv.sh")
+    return HF_PYTHON

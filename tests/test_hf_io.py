@@ -9,7 +9,7 @@ import subprocess
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HF_PYTHON, hf_case, max_rel_err, requires_hf
+from conftest import hf_case, max_rel_err
 from safetensors.numpy import load_file, save_file
 
 from sparrow_jax.config import ConfigError
@@ -120,8 +120,7 @@ def test_round_trip_with_bf16_params_and_tokenizer(tmp_path):
 
 
 @pytest.mark.hf
-@requires_hf
-def test_transformers_loads_what_we_save(tmp_path):
+def test_transformers_loads_what_we_save(tmp_path, hf_python):
     """Our writer's folder loads in transformers and gives our logits."""
     model, _ = load_qwen3(hf_case("attn_bias")["path"])
     out = tmp_path / "out"
@@ -132,7 +131,7 @@ def test_transformers_loads_what_we_save(tmp_path):
         "m = transformers.Qwen3ForCausalLM.from_pretrained(sys.argv[1]).eval()\n"
         "ids = torch.tensor(np.array(eval(sys.argv[2])))\n"
         "with torch.no_grad(): np.save(sys.argv[3], m(input_ids=ids).logits.float().numpy())\n")
-    subprocess.run([str(HF_PYTHON), "-c", script, str(out), repr(ids.tolist()),
+    subprocess.run([str(hf_python), "-c", script, str(out), repr(ids.tolist()),
                     str(tmp_path / "ref.npy")], check=True, capture_output=True, timeout=300)
     ours = np.asarray(model(jnp.asarray(ids, jnp.int32)))
     assert max_rel_err(ours, np.load(tmp_path / "ref.npy")) < 1e-4

@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
-from conftest import HF_PYTHON, REPO, hf_case, hf_case_names, max_rel_err, requires_hf
+from conftest import REPO, hf_case, hf_case_names, max_rel_err
 
 from sparrow_jax.models.hf_io import load_qwen3
 from sparrow_jax.models.lm_head import head_outputs
@@ -106,10 +106,9 @@ def test_float32_run_of_bf16_checkpoint_is_exact():
 
 
 @pytest.mark.hf
-@requires_hf
-def test_live_regenerated_fixtures_match(tmp_path):
+def test_live_regenerated_fixtures_match(tmp_path, hf_python):
     """Rebuilds the fixtures with the installed transformers and checks parity on them."""
-    subprocess.run([str(HF_PYTHON), str(REPO / "scripts" / "make_hf_fixtures.py"),
+    subprocess.run([str(hf_python), str(REPO / "scripts" / "make_hf_fixtures.py"),
                     "--out", str(tmp_path)], check=True, capture_output=True, timeout=600)
     for name in FLOAT32_CASES:
         folder = tmp_path / name
