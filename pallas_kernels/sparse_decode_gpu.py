@@ -345,7 +345,7 @@ def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int,
     """Splits of each page list: as many as one wave of attention programs holds (``slots``,
     default 4 per SM), at least one, at most one block of pages per split. One wave, because a
     second, partly filled wave leaves the GPU idle at its end: at batch 32 (256 rows) two splits
-    took 180 us where four took 183-197 (H100)."""
+    took 180 us where four took 183 (H100)."""
     if slots is None:
         slots = ATTEND_PROGRAMS_PER_SM * _sm_count()
     blocks = -(-max_pages // block_pages)
