@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import sys
 from pathlib import Path
 
@@ -46,7 +47,6 @@ def capture_ir(fn, *args):
     finally:
         triton_lowering.lower_jaxpr_to_triton_module = original
     # The custom calls appear in lowering order; their configs carry name, warps and stages.
-    import re
     configs = re.findall(r'name = "([^"]+)".*?num_stages = (\d+) : i32, num_warps = (\d+)', hlo)
     return {name: (ir, int(warps), int(stages))
             for ir, (name, stages, warps) in zip(seen, configs)}
@@ -81,7 +81,6 @@ def main(argv=None):
               jax.ShapeDtypeStruct((b, m), jnp.int32),
               jax.ShapeDtypeStruct((b,), jnp.int32),
               jax.ShapeDtypeStruct((b,), jnp.int32))
-    props = jax.devices()[0]
     smem_per_sm = 228 * 1024    # H100: 228 KB per SM, 227 KB per block
     report = {}
     for spec in args.configs:
@@ -120,7 +119,7 @@ def main(argv=None):
                        ld_global_v4=compiled.asm["ptx"].count("ld.global.v4"))
             report[stem] = row
             print(stem, json.dumps(row), flush=True)
-    (out / "report.json").write_text(json.dumps(dict(device=props.device_kind, kernels=report),
+    (out / "report.json").write_text(json.dumps(dict(device=jax.devices()[0].device_kind, kernels=report),
                                                 indent=1))
     return 0
 
