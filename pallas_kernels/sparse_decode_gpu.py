@@ -340,14 +340,12 @@ def _sm_count() -> int:
     return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
 
 
-def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int,
-                   slots: int | None = None) -> int:
-    """Splits of each page list: as many as one wave of attention programs holds (``slots``,
-    default 4 per SM), at least one, at most one block of pages per split. One wave, because a
-    second, partly filled wave leaves the GPU idle at its end: at batch 32 (256 rows) two splits
-    took 180 us where four took 183 (H100)."""
-    if slots is None:
-        slots = ATTEND_PROGRAMS_PER_SM * _sm_count()
+def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
+    """Splits of each page list: as many as one wave of attention programs holds
+    (:data:`ATTEND_PROGRAMS_PER_SM` per SM), at least one, at least one block of pages per
+    split. One wave, because a second, partly filled wave leaves the GPU idle at its end: at
+    batch 32 (256 rows) two splits took 180 us where four took 183 (H100)."""
+    slots = ATTEND_PROGRAMS_PER_SM * _sm_count()
     blocks = -(-max_pages // block_pages)
     return int(max(1, min(blocks, slots // (batch * kv_heads))))
 
