@@ -19,7 +19,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparrow_jax.config import ModelConfig
+from sparrow_jax.config import ConfigError, ModelConfig
 from sparrow_jax.models.qwen3 import Qwen3
 
 WEIGHTS_FILE = "model.safetensors"
@@ -86,7 +86,10 @@ def load_config(path: str | Path) -> ModelConfig:
     cfg_file = path / "config.json"
     if not cfg_file.is_file():
         raise CheckpointError(f"no config.json in model folder {path}")
-    config = ModelConfig.from_hf_dict(_read_json(cfg_file, "config"))
+    try:
+        config = ModelConfig.from_hf_dict(_read_json(cfg_file, "config"))
+    except ConfigError as e:
+        raise CheckpointError(f"{cfg_file}: {e}") from None
     gen_eos = load_generation_config(path).get("eos_token_ids", ())
     eos = tuple(dict.fromkeys([*config.eos_token_ids, *gen_eos]))
     return dataclasses.replace(config, eos_token_ids=eos)
@@ -124,12 +127,16 @@ def _weight_files(path: Path) -> list[Path]:
 
 
 def _read_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
-    from safetensors import safe_open
+    from safetensors import SafetensorError, safe_open
 
     for f in files:
-        with safe_open(str(f), framework="numpy") as sf:
-            for name in sf.keys():
-                yield name, sf.get_tensor(name)
+        # safetensors' own error names no file.
+        try:
+            with safe_open(str(f), framework="numpy") as sf:
+                for name in sf.keys():
+                    yield name, sf.get_tensor(name)
+        except (SafetensorError, OSError) as e:
+            raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
 
 
 def load_qwen3(path: str | Path, dtype=jnp.float32, param_dtype=None, *,
