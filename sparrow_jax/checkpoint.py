@@ -71,5 +71,14 @@ class Checkpointer:
             restored[name] = jax.tree.unflatten(treedef, [jax.numpy.asarray(x) for x in leaves])
         return restored, dict(out["record"])
 
+    def read_record(self, step: int) -> dict:
+        """The JSON record of checkpoint ``step`` alone (no arrays read)."""
+        ocp = _ocp()
+        if step not in self._manager.all_steps():
+            raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
+                                    f"available: {self.all_steps()}")
+        out = self._manager.restore(step, args=ocp.args.Composite(record=ocp.args.JsonRestore()))
+        return dict(out["record"])
+
     def close(self) -> None:
         self._manager.close()
