@@ -192,19 +192,25 @@ def _select_kernel(len_ref, budget_ref, key_ref, rank_ref, *, page_size, max_pag
     # Largest T with #(keys >= T) >= k, decided from the sign bit down: the count stays >= k
     # throughout, so each bit is kept iff the count with it set is still >= k. Ineligible keys
     # are INT_MIN, below every candidate; k = 0 gives T = INT_MAX and nothing chosen.
+    # (Loops, not unrolled: the same work, a much smaller program to compile.)
+    def threshold_bit(i, t):
+        cand = t | lax.shift_left(jnp.int32(1), 30 - i)
+        return jnp.where(_count(keys >= cand) >= k, cand, t)
+
     t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
-    for bit in range(30, -1, -1):
-        cand = t | jnp.int32(1 << bit)
-        t = jnp.where(_count(keys >= cand) >= k, cand, t)
+    t = lax.fori_loop(0, 31, threshold_bit, t)
     above = keys > t
     need = k - _count(above)                    # keys equal to T still to take, >= 0
     equal = keys == t
     # Ties: the `need` lowest slots among the equal keys. j ends as the largest slot with fewer
     # than `need` equal keys below it: the last one taken.
-    j = jnp.zeros((1, 1), jnp.int32)
-    for bit in range(_log2(mr * LANES) - 1, -1, -1):
-        cand = j + jnp.int32(1 << bit)
-        j = jnp.where(_count(equal & (idx < cand)) < need, cand, j)
+    top = (mr * LANES - 1).bit_length() - 1
+
+    def tie_bit(i, j):
+        cand = j + lax.shift_left(jnp.int32(1), top - i)
+        return jnp.where(_count(equal & (idx < cand)) < need, cand, j)
+
+    j = lax.fori_loop(0, top + 1, tie_bit, jnp.zeros((1, 1), jnp.int32))
     chosen = above | (equal & (idx <= j) & (need > 0))
     reserved = (idx == 0) | (idx >= n - 2)
     # Dense rows (n <= budget) take all their pages; the scalar folds that in as a slot bound.
