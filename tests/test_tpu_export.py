@@ -1,0 +1,57 @@
+"""Lowering for TPU from this host: ``jax.export(..., platforms=["tpu"])`` of the TPU sparse
+decode kernels for v5e, v5p and v6e at Qwen3's head layouts, asserting the Mosaic kernels are in
+the module. Export runs JAX's Pallas -> Mosaic lowering, not Mosaic's compiler, so a layout the
+TPU rejects can still pass here."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import pytest
+
+from pallas_kernels.sparse_decode_tpu import PAGE_SIZES, sparse_decode_tpu_checked
+from pallas_kernels.tpu_targets import CHIPS, abstract_tpu, export_for_tpu
+
+S = jax.ShapeDtypeStruct
+LAYOUTS = [(16, 8), (32, 8), (40, 8)]     # Qwen3 q heads / KV heads (1.7B-4B, 8B, 14B)
+KERNELS = ("sparse_decode_tpu_score", "sparse_decode_tpu_select", "sparse_decode_tpu_attend")
+
+
+def sparse_step_args(hq, hkv, page_size, *, batch=8, context=32768, d=128, dtype=jnp.bfloat16):
+    m = context // page_size
+    n = batch * m
+    return (S((batch, hq, d), dtype), S((hkv, n, page_size, d), dtype),
+            S((hkv, n, page_size, d), dtype), S((hkv, n, d), dtype), S((batch, m), jnp.int32),
+            S((batch,), jnp.int32), S((batch,), jnp.int32))
+
+
+def assert_mosaic(exported, names=KERNELS):
+    text = exported.mlir_module()
+    assert text.count("tpu_custom_call") >= len(names)
+    for name in names:
+        assert name in text, name
+
+
+@pytest.mark.parametrize("chip", sorted(CHIPS))
+@pytest.mark.parametrize("hq,hkv", LAYOUTS)
+@pytest.mark.parametrize("page_size", PAGE_SIZES)
+def test_sparse_step_lowers_for_tpu(chip, hq, hkv, page_size):
+    exported = export_for_tpu(
+        lambda *a: sparse_decode_tpu_checked(*a, page_size=page_size),
+        *sparse_step_args(hq, hkv, page_size), chip=chip)
+    assert exported.platforms == ("tpu",)
+    assert_mosaic(exported)
+
+
+def test_streamed_lists_lower_for_tpu():
+    """Batch 64 at 32K: the page lists outgrow SMEM and are copied in row by row."""
+    from pallas_kernels.sparse_decode_tpu import list_sizes
+    assert list_sizes(64, 8, 2048, 16)[2]
+    assert_mosaic(export_for_tpu(lambda *a: sparse_decode_tpu_checked(*a, page_size=16),
+                                 *sparse_step_args(32, 8, 16, batch=64), chip="v5p"))
+
+
+def test_unknown_chip_is_named():
+    with pytest.raises(ValueError, match="unknown TPU chip 'v4'"):
+        with abstract_tpu("v4"):
+            pass
