@@ -7,6 +7,10 @@ freshly initialised state), so NNX and optax container types never enter the fil
 Saves are synchronous: once :meth:`Checkpointer.save` returns, the step directory is final (orbax
 writes into a temporary directory and renames it), so a kill cannot leave a partial checkpoint
 that a resume would read.
+
+Sharded arrays are written as they lie (each process writes the shards it holds; nothing is
+gathered) and restored straight into the layout of the template's leaves, which may come from
+another mesh than the one that saved them.
 """
 
 from __future__ import annotations
@@ -22,6 +26,13 @@ def _ocp():
     import orbax.checkpoint as ocp
 
     return ocp
+
+
+def _abstract(x) -> jax.ShapeDtypeStruct:
+    if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)):
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    x = np.asarray(x)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype)
 
 
 class Checkpointer:
@@ -43,22 +54,28 @@ class Checkpointer:
         return sorted(self._manager.all_steps())
 
     def save(self, step: int, arrays: dict[str, Any], record: dict[str, Any]) -> None:
-        """``arrays``: name -> pytree of arrays; ``record``: JSON-serialisable metadata."""
+        """``arrays``: name -> pytree of arrays (``jax.Array`` leaves saved shard by shard);
+        ``record``: JSON-serialisable metadata."""
         ocp = _ocp()
-        leaves = {name: [np.asarray(x) for x in jax.tree.leaves(tree)]
-                  for name, tree in arrays.items()}
+        leaves = {name: [x if isinstance(x, jax.Array) else np.asarray(x)
+                         for x in jax.tree.leaves(tree)] for name, tree in arrays.items()}
         self._manager.save(step, args=ocp.args.Composite(
             arrays=ocp.args.StandardSave(leaves), record=ocp.args.JsonSave(record)))
         self._manager.wait_until_finished()
 
     def restore(self, step: int, templates: dict[str, Any]) -> tuple[dict[str, Any], dict]:
-        """-> (name -> pytree shaped like ``templates[name]``, the JSON record)."""
+        """-> (name -> pytree shaped like ``templates[name]``, the JSON record).
+
+        A template leaf with a sharding (a ``jax.Array``, or a ``jax.ShapeDtypeStruct`` given
+        one) is restored into that sharding, whatever mesh saved it; other leaves onto the
+        default device.
+        """
         ocp = _ocp()
         if step not in self._manager.all_steps():
             raise FileNotFoundError(f"no checkpoint for step {step} in {self.directory}; "
                                     f"available: {self.all_steps()}")
-        abstract = {name: [jax.ShapeDtypeStruct(np.shape(x), np.asarray(x).dtype)
-                           for x in jax.tree.leaves(tree)] for name, tree in templates.items()}
+        abstract = {name: [_abstract(x) for x in jax.tree.leaves(tree)]
+                    for name, tree in templates.items()}
         out = self._manager.restore(step, args=ocp.args.Composite(
             arrays=ocp.args.StandardRestore(abstract), record=ocp.args.JsonRestore()))
         restored = {}

@@ -8,12 +8,13 @@ files. Weights are read with safetensors' NumPy backend (no torch). HF linear we
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import re
 import shutil
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any
 
 import jax.numpy as jnp
 import numpy as np
@@ -126,26 +127,57 @@ def _weight_files(path: Path) -> list[Path]:
                           "(only safetensors checkpoints are supported)")
 
 
-def _read_tensors(files: list[Path]) -> Iterator[tuple[str, np.ndarray]]:
+def _open_tensors(files: list[Path], stack: contextlib.ExitStack) -> dict[str, Any]:
+    """Tensor name -> its safetensors slice (shape and dtype known, nothing read yet)."""
     from safetensors import SafetensorError, safe_open
 
+    out = {}
     for f in files:
         # safetensors' own error names no file.
         try:
-            with safe_open(str(f), framework="numpy") as sf:
-                for name in sf.keys():
-                    yield name, sf.get_tensor(name)
+            sf = stack.enter_context(safe_open(str(f), framework="numpy"))
+            for name in sf.keys():
+                out[name] = sf.get_slice(name)
         except (SafetensorError, OSError) as e:
             raise CheckpointError(f"{f}: not a readable safetensors file ({e})") from None
+    return out
+
+
+def _place(spec: _Tensor, tensor, param_dtype, mesh) -> Any:
+    """One checkpoint tensor in our layout and ``param_dtype``: whole on the default device, or,
+    with ``mesh``, laid out by the partition rules with each device's block read alone from
+    the file (no full copy on any host or device)."""
+    if mesh is None:
+        arr = tensor[...]
+        return jnp.asarray(arr.T if spec.transpose else arr, dtype=param_dtype)
+    import jax
+
+    from sparrow_jax import sharding
+
+    shape = spec.shape[::-1] if spec.transpose else spec.shape
+    target = sharding.state_shardings({"/".join(map(str, spec.path)): jax.ShapeDtypeStruct(
+        shape, param_dtype)}, mesh)
+    target = next(iter(target.values()))
+
+    def block(index):
+        # index: our layout's slices; the file holds the transpose for linear kernels
+        arr = tensor[index[::-1]].T if spec.transpose else tensor[index]
+        return np.asarray(arr, dtype=param_dtype)
+
+    return jax.make_array_from_callback(shape, target, block)
 
 
 def load_qwen3(path: str | Path, dtype=jnp.float32, param_dtype=None, *,
-               remat: bool = False) -> tuple[Qwen3, ModelConfig]:
+               remat: bool = False, mesh=None) -> tuple[Qwen3, ModelConfig]:
     """Loads a Qwen3ForCausalLM HF folder -> ``(model, config)``.
 
     ``dtype`` is the compute dtype; parameters are stored in ``param_dtype`` (default float32
     masters, whatever the checkpoint's dtype; bfloat16 halves the memory of inference-only use).
     ``remat``: rematerialise each layer in the backward pass (training).
+    ``mesh``: a ``jax.sharding.Mesh`` (see :func:`sparrow_jax.sharding.make_mesh`); every
+    parameter is then created in its sharded layout (:data:`sparrow_jax.sharding.PARAM_RULES`),
+    each device's block read straight from the files, as :func:`sparrow_jax.sharding.shard_model`
+    would leave it.
     Every tensor the config implies must be present with its exact shape; tensors it does not
     imply are an error (a config that disagrees with its weights must not load quietly), except
     rotary ``inv_freq`` buffers and a tied ``lm_head.weight`` equal to the embedding.
@@ -156,32 +188,30 @@ def load_qwen3(path: str | Path, dtype=jnp.float32, param_dtype=None, *,
     param_dtype = jnp.float32 if param_dtype is None else param_dtype
     expected = {t.hf_name: t for t in _tensor_map(config)}
     arrays: dict[tuple, Any] = {}
-    extra, tied_head = [], None
-    for name, arr in _read_tensors(files):
-        spec = expected.get(name)
-        if spec is None:
-            if name == "lm_head.weight" and config.tie_word_embeddings:
-                tied_head = arr
-            elif not _IGNORABLE.search(name):
-                extra.append(name)
-            continue
-        if tuple(arr.shape) != spec.shape:
-            raise CheckpointError(f"tensor {name} has shape {tuple(arr.shape)}, expected "
-                                  f"{spec.shape} from config.json")
-        arr = arr.T if spec.transpose else arr
-        arrays[spec.path] = jnp.asarray(arr, dtype=param_dtype)
-    if extra:
-        raise CheckpointError(f"checkpoint has tensors a Qwen3 model of this config does not use: "
-                              f"{sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
-    missing = [t.hf_name for t in expected.values() if t.path not in arrays]
-    if missing:
-        raise CheckpointError(f"checkpoint lacks tensor {missing[0]}"
-                              f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
-    if tied_head is not None and not np.array_equal(
-            np.asarray(tied_head, np.float32),
-            np.asarray(arrays[("embed_tokens",)], np.float32)):
-        raise CheckpointError("tie_word_embeddings is true but lm_head.weight differs from "
-                              "model.embed_tokens.weight")
+    with contextlib.ExitStack() as stack:
+        tensors = _open_tensors(files, stack)
+        extra = [name for name in tensors if name not in expected and not _IGNORABLE.search(name)
+                 and not (name == "lm_head.weight" and config.tie_word_embeddings)]
+        for name, tensor in tensors.items():
+            spec = expected.get(name)
+            if spec is not None and tuple(tensor.get_shape()) != spec.shape:
+                raise CheckpointError(f"tensor {name} has shape {tuple(tensor.get_shape())}, "
+                                      f"expected {spec.shape} from config.json")
+        if extra:
+            raise CheckpointError(f"checkpoint has tensors a Qwen3 model of this config does not "
+                                  f"use: {sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
+        missing = [name for name in expected if name not in tensors]
+        if missing:
+            raise CheckpointError(f"checkpoint lacks tensor {missing[0]}"
+                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+        if (config.tie_word_embeddings and "lm_head.weight" in tensors
+                and not np.array_equal(np.asarray(tensors["lm_head.weight"][...], np.float32),
+                                       np.asarray(tensors["model.embed_tokens.weight"][...],
+                                                  np.float32))):
+            raise CheckpointError("tie_word_embeddings is true but lm_head.weight differs from "
+                                  "model.embed_tokens.weight")
+        for name, spec in expected.items():
+            arrays[spec.path] = _place(spec, tensors[name], param_dtype, mesh)
 
     abstract = nnx.eval_shape(lambda: Qwen3(config, dtype=dtype, param_dtype=param_dtype,
                                             rngs=nnx.Rngs(0), remat=remat))

@@ -6,6 +6,9 @@ step and teacher-forced sparse attention all run the same projections, norms and
 
 Precision (DESIGN 3.0): parameters live in ``param_dtype`` (float32 masters), matmuls run in
 the compute ``dtype`` (bfloat16 on accelerators), norms, softmax and log-softmax in float32.
+
+Under a device mesh (``jax.set_mesh``) the residual stream, the heads and the MLP width are
+pinned to :data:`sparrow_jax.sharding.ACTIVATION_RULES`; without one those pins do nothing.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from sparrow_jax.attention.dense import causal_attend
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.lora import Linear
 from sparrow_jax.models.rope import apply_rope, rope_angles
+from sparrow_jax.sharding import constrain
 
 # attend(layer, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state).
 # q and k arrive after q/k-norm and RoPE; ``state`` is whatever the caller threads through the
@@ -55,9 +59,12 @@ class Attention(nnx.Module):
 
     def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool):
         b, t, _ = x.shape
-        q = self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim)
-        k = self.k_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim)
+        q = constrain(self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim),
+                      "BTHK")
+        k = constrain(self.k_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim),
+                      "BTHK")
+        v = constrain(self.v_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim),
+                      "BTHK")
         q = apply_rope(self.q_norm(q), cos, sin)
         k = apply_rope(self.k_norm(k), cos, sin)
         out, state = attend(layer, q, k, v, state)
@@ -74,7 +81,7 @@ class MLP(nnx.Module):
 
     def __call__(self, x, lora: bool):
         gate = jax.nn.silu(self.gate_proj(x, lora=lora))
-        return self.down_proj(gate * self.up_proj(x, lora=lora), lora=lora)
+        return self.down_proj(constrain(gate * self.up_proj(x, lora=lora), "BTF"), lora=lora)
 
 
 class Block(nnx.Module):
@@ -131,7 +138,7 @@ class Qwen3(nnx.Module):
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
-        x = self.embed(tokens) if embeddings is None else embeddings
+        x = constrain(self.embed(tokens) if embeddings is None else embeddings, "BTD")
         cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
         for i, block in enumerate(self.layers):
             if self.remat:
@@ -139,6 +146,7 @@ class Qwen3(nnx.Module):
                     block, x, cos, sin, i, attend, state, lora)
             else:
                 x, state = block(x, cos, sin, i, attend, state, lora)
+            x = constrain(x, "BTD")
         return self.norm(x), state
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,

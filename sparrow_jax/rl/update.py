@@ -10,6 +10,12 @@ it is the first optimizer step of the batch), it doubles as the dense recompute 
 (DESIGN 3.6): ``logp_old`` is its own stop-gradient log-prob and the mismatch statistics of those
 rows come out of the same forward, so only the other rows need a separate recompute pass. With
 one mini-batch (the paper's setting) the recompute pass disappears.
+
+On a device mesh (parameters placed by :func:`sparrow_jax.sharding.shard_model`) the same steps
+run under that mesh: micro-batch rows are split over ``data`` x ``fsdp``, gradients and updated
+parameters keep the parameters' layout, the optimizer state is built in it, and the host reads
+only replicated scalars and statistics. Nothing else changes: the token-mean is still global
+over the mini-batch.
 """
 
 from __future__ import annotations
@@ -25,6 +31,7 @@ import optax
 from flax import nnx
 
 from sparrow_jax.models.lm_head import head_outputs
+from sparrow_jax import sharding
 from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import grpo_loss
@@ -104,7 +111,11 @@ def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old,
     model.remat = remat
     (loss, (metrics, stats)), grads = nnx.value_and_grad(
         loss_fn, argnums=nnx.DiffState(0, TRAINABLE), has_aux=True)(model)
-    return grads, dict(metrics, loss=loss), stats
+    # Under a mesh: gradients reduce-scattered into the parameters' layout; what the host reads
+    # whole on every process (metrics, fused statistics) replicated.
+    return (sharding.constrain_params(grads),
+            sharding.constrain_replicated(dict(metrics, loss=loss)),
+            sharding.constrain_replicated(stats))
 
 
 @jax.jit
@@ -134,6 +145,12 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
     mask_all = np.arange(r_cap)[None, :] < batch.response_lengths[:, None]
     actor = (batch.actor_topk_ids if fused is not None
              else np.zeros(batch.logp_old.shape + (1,), np.int32))
+    mesh = sharding.mesh_of(params)
+
+    def put(x):
+        return jnp.asarray(x) if mesh is None else jax.device_put(
+            x, sharding.batch_sharding(mesh, x.shape))
+
     grads, sums = None, {}
     for micro in plan_micro_batches(rows, total, config.micro_batch_size):
         t_len = round_up(total[micro].max(), config.length_multiple)
@@ -142,12 +159,14 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
             "tokens": batch.tokens, "prompt_lengths": batch.prompt_lengths, "mask": mask_all,
             "logp_old": batch.logp_old, "logp_sparse": batch.logp_sparse,
             "advantages": batch.advantages, "actor": actor}, t_len, r_len)
-        g, m, stats = _micro_grads(graphdef, params, rest, *(jnp.asarray(mb[k]) for k in (
-            "tokens", "prompt_lengths", "mask", "logp_old", "logp_sparse", "advantages",
-            "actor")), jnp.float32(num_tokens), response_capacity=r_len,
-            temperature=float(temperature), loss_config=config.loss,
-            chunk_size=config.chunk_size,
-            fused_top_k=0 if fused is None else fused.topk_ids.shape[2], remat=config.remat)
+        with sharding.use_mesh(mesh):
+            g, m, stats = _micro_grads(graphdef, params, rest, *(put(mb[k]) for k in (
+                "tokens", "prompt_lengths", "mask", "logp_old", "logp_sparse", "advantages",
+                "actor")), jnp.float32(num_tokens), response_capacity=r_len,
+                temperature=float(temperature), loss_config=config.loss,
+                chunk_size=config.chunk_size,
+                fused_top_k=0 if fused is None else fused.topk_ids.shape[2],
+                remat=config.remat)
         if fused is not None:
             fill_rows(fused, micro, stats, batch.response_lengths)
         grads = g if grads is None else _add(grads, g)
@@ -159,7 +178,7 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
 @functools.partial(jax.jit, static_argnums=(0,))
 def _apply(optimizer, params, opt_state, grads):
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state
+    return sharding.constrain_params(optax.apply_updates(params, updates)), opt_state
 
 
 @jax.jit
@@ -175,7 +194,15 @@ class PolicyUpdater:
         self.optimizer = make_optimizer(optim_config)
 
     def init(self, model) -> Any:
-        return self.optimizer.init(split_model(model)[1])
+        """The optimizer state of ``model``'s trainable parameters, laid out like them when the
+        model is sharded (every copy of the parameter tree takes the parameters' shardings)."""
+        params = split_model(model)[1]
+        mesh = sharding.mesh_of(params)
+        if mesh is None:
+            return self.optimizer.init(params)
+        out = sharding.opt_state_shardings(self.optimizer, jax.eval_shape(
+            self.optimizer.init, params), sharding.state_shardings(params, mesh), mesh)
+        return jax.jit(self.optimizer.init, out_shardings=out)(params)
 
     def plan(self, key: jax.Array, num_rows: int) -> list[list[np.ndarray]]:
         """Rows of each mini-batch of each epoch: a fresh random permutation per epoch, cut in
@@ -215,7 +242,8 @@ class PolicyUpdater:
                         f"non-finite {'loss' if not math.isfinite(metrics['loss']) else 'gradient'}"
                         f" at training step {step} (epoch {epoch}, mini-batch {i}): loss="
                         f"{metrics['loss']}, grad_norm={norm}; the update was not applied")
-                params, opt_state = _apply(self.optimizer, params, opt_state, grads)
+                with sharding.use_mesh(sharding.mesh_of(params)):
+                    params, opt_state = _apply(self.optimizer, params, opt_state, grads)
                 history.append(dict(metrics, grad_norm=norm))
         nnx.update(model, params)
         return opt_state, {k: float(np.mean([h[k] for h in history])) for k in history[0]}
