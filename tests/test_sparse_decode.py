@@ -219,12 +219,15 @@ def test_pallas_kernel_matches_numpy_reference():
 
 
 def test_impl_choice(monkeypatch):
-    """auto: the kernels on a GPU where they apply, else the reference."""
+    """auto: the kernels of the platform where they apply, else the reference."""
     assert jax.default_backend() != "gpu" or resolve_impl("auto", "centroid", 128, 16) == "pallas"
     monkeypatch.setattr(jax, "default_backend", lambda: "cpu")
     assert resolve_impl("auto", "centroid", 128, 16) == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-    assert resolve_impl("auto", "centroid", 128, 16) == "reference"
+    assert resolve_impl("auto", "centroid", 128, 16) == "pallas_tpu"
+    assert resolve_impl("auto", "centroid", 64, 16) == "reference"      # below the lane width
+    assert resolve_impl("auto", "centroid", 128, 8) == "reference"      # not a TPU page size
+    assert resolve_impl("auto", "quest", 128, 16) == "reference"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_impl("auto", "centroid", 128, 16) == "pallas"
     assert resolve_impl("auto", "quest", 128, 16) == "reference"

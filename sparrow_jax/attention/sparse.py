@@ -1,8 +1,9 @@
 """Sparse decode attention for one layer over a paged KV cache (DESIGN 3.1, 3.2 and 4).
 
-The reference implementation here defines the semantics; the Pallas kernels (``impl="pallas"``,
-and ``impl="auto"`` on a GPU) match it, and both check their arguments in
-:mod:`sparrow_jax.attention.sparse_args`. Both are jittable with budgets and lengths as runtime
+The reference implementation here defines the semantics; the Pallas kernels for GPU
+(``impl="pallas"``) and for TPU (``impl="pallas_tpu"``) match it, and all check their arguments
+in :mod:`sparrow_jax.attention.sparse_args`. ``impl="auto"`` picks per platform
+(:func:`resolve_impl`). Both are jittable with budgets and lengths as runtime
 arrays: the number of pages gathered per sequence and KV head is static (``max_budget_pages``, by
 default the page-table width).
 """
@@ -15,11 +16,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
+from pallas_kernels import sparse_decode_tpu
 from pallas_kernels.sparse_decode_gpu import kernel_limits, sparse_decode_pallas_checked
 from sparrow_jax.attention import selection
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
-IMPLS = ("auto", "reference", "pallas")
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu")
 
 
 def _summaries(k_pages, scorer, centroids, summaries):
@@ -62,8 +64,11 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
       scorer: ``"centroid"`` (qbar . page mean of keys) or ``"quest"`` (elementwise min/max bound).
       impl: ``"reference"`` (pure JAX, any backend and scorer), ``"pallas"`` (the Pallas
         kernels of :mod:`pallas_kernels.sparse_decode_gpu`; centroid scorer only, else
-        ValueError; run interpreted off GPU, slowly, so CPU tests check them), ``"auto"`` (the
-        kernels on a GPU where they apply, else the reference: see :func:`resolve_impl`).
+        ValueError; run interpreted off GPU, slowly, so CPU tests check them), ``"pallas_tpu"``
+        (the Mosaic kernels of :mod:`pallas_kernels.sparse_decode_tpu`; centroid scorer, page
+        size 16/32/64, head_dim a multiple of 128, else ValueError; run in TPU interpret mode
+        off TPU), ``"auto"`` (the kernels for the platform where they apply, else the
+        reference: see :func:`resolve_impl`).
       centroids: ``[Hkv, N, D]`` page centroids for ``scorer="centroid"``, computed from the pages
         when None. Only full pages' centroids are read.
       summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``scorer="quest"``; computed when None.
@@ -82,32 +87,57 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
     check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
                              page_size=page_size, max_budget_pages=max_budget_pages)
     summ = _summaries(k_pages, scorer, centroids, summaries)
-    if resolve_impl(impl, scorer, q.shape[-1], page_size) == "pallas":
+    args = (q, k_pages, v_pages, page_table, lengths, budget_pages)
+
+    def reference(*a):
+        return _reference(*a, summ, page_size=page_size, scorer=scorer,
+                          max_pages=max_budget_pages or page_table.shape[1])
+
+    def tpu_kernels(*a, interpret=False):
+        return sparse_decode_tpu.sparse_decode_tpu_checked(
+            *a[:3], summ[0], *a[3:], page_size=page_size, max_budget_pages=max_budget_pages,
+            interpret=interpret)
+
+    chosen = resolve_impl(impl, scorer, q.shape[-1], page_size)
+    if chosen == "pallas":
         return sparse_decode_pallas_checked(
             q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
             page_size=page_size, max_budget_pages=max_budget_pages,
             interpret=jax.default_backend() != "gpu")
-    return _reference(q, k_pages, v_pages, page_table, lengths, budget_pages, summ,
-                      page_size=page_size, scorer=scorer,
-                      max_pages=max_budget_pages or page_table.shape[1])
+    if chosen == "pallas_tpu":
+        return tpu_kernels(*args, interpret=jax.default_backend() != "tpu")
+    if impl == "auto" and jax.default_backend() != "gpu" and resolve_impl(
+            impl, scorer, q.shape[-1], page_size, platform="tpu") == "pallas_tpu":
+        # Decided when lowering, per platform: a step compiled or exported for TPU from any host
+        # holds the TPU kernels; lowered for CPU, only the reference is compiled.
+        return lax.platform_dependent(*args, tpu=tpu_kernels, default=reference)
+    return reference(*args)
 
 
-def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int) -> str:
-    """The implementation ``sparse_decode(impl=...)`` runs: ``"pallas"`` or ``"reference"``.
+def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
+                 platform: str | None = None) -> str:
+    """The implementation ``sparse_decode(impl=...)`` runs on ``platform`` (default
+    ``jax.default_backend()``): ``"pallas"``, ``"pallas_tpu"`` or ``"reference"``.
 
-    ``"auto"`` is the Pallas kernel on a GPU (``jax.default_backend() == "gpu"``) where it
-    applies (scorer ``"centroid"``, power-of-two page size and head_dim >= 16), else the
-    reference (CPU, TPU, scorer ``"quest"``). ``"pallas"`` where the kernel does not apply
-    raises ValueError; off GPU it runs interpreted (slow; for tests).
+    ``"auto"`` is the GPU kernels on a GPU where they apply (scorer ``"centroid"``, power-of-two
+    page size and head_dim >= 16), the TPU kernels on a TPU where they apply (scorer
+    ``"centroid"``, page size 16/32/64, head_dim a multiple of 128), else the reference (CPU,
+    scorer ``"quest"``, shapes the kernels reject). Off GPU, ``sparse_decode`` makes the TPU
+    choice when lowering (``lax.platform_dependent``), so a step exported for TPU from a CPU
+    host holds the TPU kernels. A named kernel that does not apply raises ValueError; off its
+    platform it runs interpreted (slow; for tests).
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    why = kernel_limits(head_dim, page_size, scorer)
+    platform = platform or jax.default_backend()
+    why = {"pallas": kernel_limits(head_dim, page_size, scorer),
+           "pallas_tpu": sparse_decode_tpu.kernel_limits(head_dim, page_size, scorer)}
     if impl == "auto":
-        return "pallas" if jax.default_backend() == "gpu" and why is None else "reference"
-    if impl == "pallas" and why is not None:
-        raise ValueError(f"sparse_decode(impl='pallas'): {why}; use impl='reference' (or "
-                         "'auto', which falls back to it)")
+        impl = {"gpu": "pallas", "tpu": "pallas_tpu"}.get(platform, "reference")
+        return impl if impl == "reference" or why[impl] is None else "reference"
+    if impl != "reference" and why[impl] is not None:
+        raise ValueError(f"sparse_decode(impl={impl!r}): {why[impl]}; use impl='reference' "
+                         "(or 'auto', which falls back to it)")
     return impl
 
 
