@@ -3,7 +3,7 @@ sparse rollouts and long responses, and the time split rollout / dense recompute
 
 The policy is a preset architecture with random weights (float32 masters, bfloat16 compute, as
 the trainer loads it); prompts are the built-in needle task (192-256 tokens); no EOS
-(``rollout.engine.eos_ids: []``), so every response runs to ``--max-new`` tokens. The reward
+(``rollout.eos_ids: []``), so every response runs to ``--max-new`` tokens. The reward
 does not matter here (a random policy scores ~0, so advantages are ~0; the update still runs
 its full forward and backward). Steps are run through ``Trainer.train_step`` (no checkpoints,
 metrics written as JSONL by this script); the first step includes compilation, which the
@@ -85,7 +85,7 @@ def main(argv=None):
         model=ModelSpec(preset=args.model, dtype=args.dtype),
         data=DataConfig(task="needle", prompts_per_step=args.prompts),
         rollout=RolloutSettings(samples_per_prompt=args.samples, max_new_tokens=args.max_new,
-                                temperature=1.0, engine={"eos_ids": []}),
+                                temperature=1.0, eos_ids=()),
         schedule=schedule_spec(args.schedule),
         update=UpdateConfig(micro_batch_size=args.micro_batch, fuse_recompute=args.fuse),
         checkpoint_every=10 ** 6, tensorboard=False, progress=False)

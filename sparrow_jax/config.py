@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import types
 import typing
 from pathlib import Path
@@ -46,15 +47,16 @@ class ModelConfig:
                      "num_attention_heads", "num_key_value_heads", "head_dim"):
             value = getattr(self, name)
             if not isinstance(value, int) or value <= 0:
-                raise ConfigError(f"ModelConfig.{name} must be a positive int, got {value!r}")
+                raise ConfigError(f"{name}: must be a positive integer, got {value!r}")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(
                 f"num_attention_heads ({self.num_attention_heads}) must be a multiple of "
                 f"num_key_value_heads ({self.num_key_value_heads})")
         if self.head_dim % 2:
             raise ConfigError(f"head_dim must be even for rotary embeddings, got {self.head_dim}")
-        if self.rope_theta <= 0:
-            raise ConfigError(f"rope_theta must be positive, got {self.rope_theta}")
+        for name in ("rope_theta", "rms_norm_eps", "max_position_embeddings"):
+            if getattr(self, name) <= 0:
+                raise ConfigError(f"{name}: must be positive, got {getattr(self, name)!r}")
 
     @property
     def group_size(self) -> int:
@@ -104,25 +106,32 @@ class ModelConfig:
                                "num_hidden_layers", "num_attention_heads") if k not in cfg]
         if missing:
             raise ConfigError(f"config.json lacks required keys {missing}")
-        heads = cfg["num_attention_heads"]
+
+        def get(key, hint, default=None):
+            value = cfg.get(key)
+            return default if value is None else check_value(hint, value, key)
+
+        heads = get("num_attention_heads", int)
         eos = cfg.get("eos_token_id")
-        eos_ids = tuple(eos) if isinstance(eos, list) else (() if eos is None else (eos,))
+        eos_ids = check_value(tuple[int, ...], eos if isinstance(eos, list) else
+                              ([] if eos is None else [eos]), "eos_token_id")
         return cls(
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
+            vocab_size=get("vocab_size", int),
+            hidden_size=get("hidden_size", int),
+            intermediate_size=get("intermediate_size", int),
+            num_hidden_layers=get("num_hidden_layers", int),
             num_attention_heads=heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or heads,
-            head_dim=cfg.get("head_dim") or cfg["hidden_size"] // heads,
-            rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)),
-            rope_theta=float(rope_theta if rope_theta is not None else 10_000.0),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            attention_bias=bool(cfg.get("attention_bias", False)),
-            max_position_embeddings=int(cfg.get("max_position_embeddings", 40_960)),
-            bos_token_id=cfg.get("bos_token_id"),
+            num_key_value_heads=get("num_key_value_heads", int, heads),
+            head_dim=get("head_dim", int, None) or get("hidden_size", int) // heads,
+            rms_norm_eps=get("rms_norm_eps", float, 1e-6),
+            rope_theta=(10_000.0 if rope_theta is None
+                        else check_value(float, rope_theta, "rope_theta")),
+            tie_word_embeddings=get("tie_word_embeddings", bool, False),
+            attention_bias=get("attention_bias", bool, False),
+            max_position_embeddings=get("max_position_embeddings", int, 40_960),
+            bos_token_id=get("bos_token_id", int),
             eos_token_ids=eos_ids,
-            pad_token_id=cfg.get("pad_token_id"),
+            pad_token_id=get("pad_token_id", int),
         )
 
     def to_hf_dict(self) -> dict[str, Any]:
@@ -162,41 +171,118 @@ class ModelConfig:
         return cls.from_hf_dict(json.loads(path.read_text()))
 
 
-def from_dict(cls: type, data: dict[str, Any] | None) -> Any:
+def unknown_name(what: str, name: Any, known) -> ConfigError:
+    """The error for a name missing from a registry: lists the known names and suggests the
+    nearest (``unknown reward 'needel' (did you mean 'needle'?); known: [...]``)."""
+    import difflib
+
+    known = sorted(known)
+    near = difflib.get_close_matches(str(name), known, n=1)
+    hint = f" (did you mean {near[0]!r}?)" if near else ""
+    return ConfigError(f"unknown {what} {name!r}{hint}; known: {known}")
+
+
+def from_dict(cls: type, data: dict[str, Any] | None, *, where: str = "") -> Any:
     """Builds the (nested) frozen dataclass ``cls`` from a plain dict, as read from YAML.
 
-    Unknown keys are an error (a typo must not be silently ignored); nested dataclass fields are
-    built recursively; lists become tuples where the field is a tuple.
+    Unknown keys are an error (a typo must not be silently ignored; the nearest known key is
+    suggested). Every value is checked against its field's type hint, and errors name the key
+    path (``optim.learning_rate``, prefixed by ``where``): ints stay ints (no bool, no float),
+    numbers where a float is expected may be ints or the strings YAML 1.1 leaves unparsed
+    (``1e-4`` is a string to PyYAML), lists become tuples where the field is a tuple, nested
+    dataclass fields are built recursively.
     """
     data = dict(data or {})
+    if not dataclasses.is_dataclass(cls):
+        raise TypeError(f"{cls!r} is not a dataclass")
     fields = {f.name: f for f in dataclasses.fields(cls)}
-    unknown = sorted(set(data) - set(fields))
-    if unknown:
-        raise ConfigError(f"{cls.__name__}: unknown keys {unknown}; known keys: {sorted(fields)}")
+    prefix = f"{where}." if where else ""
+    for key in sorted(set(data) - set(fields), key=str):
+        raise unknown_name(f"key in {where or cls.__name__}:", key, fields)
     hints = typing.get_type_hints(cls)
-    kwargs = {}
-    for name, value in data.items():
-        kwargs[name] = _coerce(hints[name], value)
+    kwargs = {name: check_value(hints[name], value, f"{prefix}{name}")
+              for name, value in data.items()}
     try:
         return cls(**kwargs)
-    except TypeError as e:
-        raise ConfigError(f"{cls.__name__}: {e}") from None
+    except ConfigError:
+        raise
+    except (TypeError, ValueError) as e:
+        raise ConfigError(f"{where or cls.__name__}: {e}") from None
 
 
-def _coerce(hint: Any, value: Any) -> Any:
+def _kind(hint: Any) -> str:
+    return getattr(hint, "__name__", str(hint))
+
+
+def check_value(hint: Any, value: Any, where: str) -> Any:
+    """``value`` checked against (and, where lossless, converted to) the type ``hint``; a
+    :class:`ConfigError` naming ``where`` otherwise. Handles the hints configs use: bool, int,
+    float, str, Any, optional and union types, ``tuple[X, ...]``, ``dict[str, X]`` and nested
+    dataclasses."""
     origin = typing.get_origin(hint)
-    if dataclasses.is_dataclass(hint) and isinstance(value, dict):
-        return from_dict(hint, value)
-    if origin in (typing.Union, types.UnionType):
-        for arg in typing.get_args(hint):
-            if dataclasses.is_dataclass(arg) and isinstance(value, dict):
-                return from_dict(arg, value)
-        if isinstance(value, list) and any(typing.get_origin(a) is tuple
-                                           for a in typing.get_args(hint)):
-            return tuple(value)
+    if hint is Any:
         return value
-    if origin is tuple and isinstance(value, list):
-        return tuple(value)
+    if origin in (typing.Union, types.UnionType):
+        options = typing.get_args(hint)
+        if value is None:
+            if type(None) in options:
+                return None
+            raise ConfigError(f"{where}: must be given, got null")
+        errors = []
+        for option in (o for o in options if o is not type(None)):
+            try:
+                return check_value(option, value, where)
+            except ConfigError as e:
+                errors.append(e)
+        if len(errors) == 1:
+            raise errors[0]
+        names = " or ".join(_kind(o) for o in options)
+        raise ConfigError(f"{where}: expected {names}, got {value!r}")
+    if dataclasses.is_dataclass(hint):
+        if dataclasses.is_dataclass(value) and isinstance(value, hint):
+            return value
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping of {hint.__name__}'s keys, got "
+                              f"{value!r}")
+        return from_dict(hint, value, where=where)
+    if origin is tuple:
+        args = typing.get_args(hint)
+        if not isinstance(value, (list, tuple)):
+            raise ConfigError(f"{where}: expected a list, got {value!r}")
+        if len(args) == 2 and args[1] is Ellipsis:
+            return tuple(check_value(args[0], v, f"{where}[{i}]") for i, v in enumerate(value))
+        if len(args) != len(value):
+            raise ConfigError(f"{where}: expected a list of {len(args)}, got {value!r}")
+        return tuple(check_value(a, v, f"{where}[{i}]") for i, (a, v) in
+                     enumerate(zip(args, value)))
+    if origin is dict or hint is dict:
+        if not isinstance(value, dict):
+            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
+        return value
+    if hint is bool:
+        if not isinstance(value, bool):
+            raise ConfigError(f"{where}: expected true or false, got {value!r}")
+        return value
+    if hint is int:
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+        return value
+    if hint is float:
+        if isinstance(value, str):
+            try:
+                value = float(value)
+            except ValueError:
+                raise ConfigError(f"{where}: expected a number, got {value!r}") from None
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise ConfigError(f"{where}: expected a number, got {value!r}")
+        value = float(value)
+        if not math.isfinite(value):
+            raise ConfigError(f"{where}: expected a finite number, got {value!r}")
+        return value
+    if hint is str:
+        if not isinstance(value, str):
+            raise ConfigError(f"{where}: expected a string, got {value!r}")
+        return value
     return value
 
 

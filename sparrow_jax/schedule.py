@@ -65,6 +65,13 @@ class BudgetSchedule:
                                  f"{self.table!r}")
             if self.bin_tokens < 1:
                 raise ValueError(f"bin_tokens must be positive, got {self.bin_tokens}")
+            drops = [i for i in range(1, len(self.table)) if self.table[i] < self.table[i - 1]]
+            if drops:
+                # A longer sequence never gets fewer pages: every calibrated table is
+                # non-decreasing, and a drop would re-read fewer pages than the step before.
+                i = drops[0]
+                raise ValueError(f"table must be non-decreasing, got {self.table[i - 1]} then "
+                                 f"{self.table[i]} at bins {i - 1} and {i}")
         if self.kind == "fixed" and self.pages < MIN_BUDGET_PAGES:
             raise ValueError(f"a fixed budget needs >= {MIN_BUDGET_PAGES} pages, got {self.pages}")
         if self.kind == "fraction":

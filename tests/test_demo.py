@@ -13,15 +13,13 @@ ROOT = Path(__file__).resolve().parent.parent
 
 
 def test_demo_config_is_sparse_grpo_from_the_demo_model():
-    from sparrow_jax.rl.trainer import build_schedule
-
     cfg = load_train_config(ROOT / "configs" / "demo.yaml")
     assert (ROOT / cfg.model.path / "config.json").is_file()
     assert cfg.data.task == "needle" and cfg.reward == "needle"
     assert cfg.rollout.samples_per_prompt == 8
-    assert list(cfg.rollout.engine["dense_layers"]) == [0]
-    page = cfg.rollout.engine.get("page_size", 16)
-    schedule = build_schedule(cfg.schedule)
+    assert cfg.rollout.engine.dense_layers == (0,)
+    page = cfg.rollout.engine.page_size
+    schedule = cfg.budget_schedule
     needle = cfg.data.needle
     # Every decode step of the shortest prompt already has more pages than the budget.
     lengths = np.arange(needle.min_prompt_len + 1,
@@ -44,18 +42,18 @@ def test_demo_checkpoint_is_small_deep_and_ends_at_eos():
 
 def test_engine_rollouts_stop_at_the_model_eos(tmp_path):
     """The trainer's rollout function takes the EOS ids from the model when the config's
-    ``rollout.engine`` names none: responses end at their first EOS."""
+    ``rollout.eos_ids`` names none: responses end at their first EOS."""
     import dataclasses
 
     from sparrow_jax.models.hf_io import load_qwen3
-    from sparrow_jax.rl.trainer import build_schedule, engine_rollout_fn, responses_of
+    from sparrow_jax.rl.trainer import engine_rollout_fn, responses_of
 
     cfg = load_train_config(ROOT / "configs" / "demo.yaml")
-    assert "eos_ids" not in cfg.rollout.engine
+    assert cfg.rollout.eos_ids is None
     cfg = dataclasses.replace(cfg, rollout=dataclasses.replace(cfg.rollout, max_new_tokens=6))
     model, _ = load_qwen3(ROOT / cfg.model.path)
     prompts, _ = NeedleTask().sample(np.random.default_rng(0), 2)
-    rollout = engine_rollout_fn(cfg, build_schedule(cfg.schedule))(
+    rollout = engine_rollout_fn(cfg, cfg.budget_schedule)(
         model, prompts, jax.random.key(0), 4)
     responses = responses_of(rollout)
     assert any(EOS in r for r in responses)

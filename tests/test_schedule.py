@@ -93,7 +93,7 @@ def test_bad_schedules_are_named():
         BudgetSchedule.fraction(1.5)
     with pytest.raises(ValueError, match="non-empty"):
         BudgetSchedule.from_table([])
-    with pytest.raises(ConfigError, match="unknown keys"):
+    with pytest.raises(ConfigError, match="unknown key"):
         BudgetSchedule.from_yaml("kind: table\ntable: [1]\nbins: 3\n")
     with pytest.raises(ValueError, match="integer"):
         BudgetSchedule.fixed(8).budget_pages(jnp.asarray([1.5]))

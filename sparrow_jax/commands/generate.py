@@ -15,6 +15,8 @@ from pathlib import Path
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from sparrow_jax.cli import non_negative_float, positive_int
+
     p.add_argument("--model", type=Path, help="HF model folder (config.json, safetensors, "
                                               "optionally tokenizer.json)")
     p.add_argument("--preset", help="randomly initialised model from configs/models "
@@ -26,9 +28,10 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="wrap each text prompt as one user message in the chat template")
     p.add_argument("--no-thinking", action="store_true",
                    help="with --chat: render with enable_thinking=false")
-    p.add_argument("-n", "--num-samples", type=int, default=1, help="samples per prompt")
-    p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0, help="0 means greedy")
+    p.add_argument("-n", "--num-samples", type=positive_int, default=1,
+                   help="samples per prompt")
+    p.add_argument("--max-new-tokens", type=positive_int, default=64)
+    p.add_argument("--temperature", type=non_negative_float, default=0.0, help="0 means greedy")
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--top-k", type=int, default=0, help="0 means no top-k truncation")
     p.add_argument("--stop", action="append", default=[],
@@ -37,7 +40,7 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
                    help="'dense', a paper schedule name (qwen3-1.7b, ...) or a schedule YAML file")
     p.add_argument("--dense-layers", default="0,1",
                    help="comma-separated layers that always attend densely")
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--page-size", type=positive_int, default=16)
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset init seed)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype; auto: bfloat16 on an accelerator, float32 on CPU")

@@ -1,27 +1,37 @@
-"""``sparrow train --config RUN.yaml [--resume]``: GRPO with sparse rollouts (:mod:`sparrow_jax.rl`).
+"""``sparrow train --config RUN.yaml [--resume | --overwrite]``: GRPO with sparse rollouts
+(:mod:`sparrow_jax.rl`).
 
 Here ``--config`` is the run's :class:`~sparrow_jax.rl.config.TrainConfig` (see
-``configs/demo.yaml``), not a file of option defaults; ``--run-dir`` and ``--steps`` override it.
+``configs/demo.yaml``); ``--run-dir``, ``--steps`` and ``--no-progress`` override it.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import sys
 
 CONFIG_IS_RUN_CONFIG = True
+CONFIG_HELP = "the run's TrainConfig as YAML (e.g. configs/demo.yaml); required"
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
+    from sparrow_jax.cli import positive_int
+
     p.add_argument("--resume", action="store_true",
                    help="continue from the latest checkpoint in the run folder")
+    p.add_argument("--overwrite", action="store_true",
+                   help="delete the run folder's previous run (checkpoints, metrics, plots) "
+                        "and start from step 0")
     p.add_argument("--run-dir", help="override the config's run_dir")
-    p.add_argument("--steps", type=int, help="override the config's number of steps")
+    p.add_argument("--steps", type=positive_int, help="override the config's number of steps")
+    p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
 
 def run(args: argparse.Namespace) -> int:
     from sparrow_jax.cli import CliError
     from sparrow_jax.rl.config import load_train_config
+    from sparrow_jax.rl.interrupt import TrainingInterrupted
     from sparrow_jax.rl.trainer import train
 
     if args.config is None:
@@ -30,8 +40,19 @@ def run(args: argparse.Namespace) -> int:
     config = load_train_config(args.config)
     overrides = {k: v for k, v in (("run_dir", args.run_dir), ("steps", args.steps))
                  if v is not None}
-    config = dataclasses.replace(config, **overrides)
-    result = train(config, resume=args.resume)
+    if args.no_progress:
+        overrides["progress"] = False
+    try:
+        config = dataclasses.replace(config, **overrides)
+    except ValueError as e:
+        raise CliError(f"--steps: {e}") from None
+    try:
+        result = train(config, resume=args.resume, overwrite=args.overwrite)
+    except TrainingInterrupted as e:
+        again = f"sparrow train --config {args.config} --resume" + "".join(
+            f" --{k.replace('_', '-')} {v}" for k, v in overrides.items() if k != "progress")
+        print(f"sparrow train: {e}; resume with: {again}", file=sys.stderr)
+        return e.exit_status
     last = result.history[-1] if result.history else {}
     print(f"done: {config.steps} steps in {config.run_dir}; last reward_mean "
           f"{last.get('reward_mean', float('nan')):.4f}")

@@ -16,9 +16,10 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from sparrow_jax.config import ConfigError, from_dict
+from sparrow_jax.config import ConfigError, from_dict, unknown_name
 from sparrow_jax.data import DataConfig
 from sparrow_jax.rl.losses import LossConfig
+from sparrow_jax.rollout.engine import RolloutConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -41,7 +42,7 @@ class ModelSpec:
     hf_config: dict[str, Any] | None = None
     seed: int = 0
     dtype: str = "auto"          # compute dtype (auto: bfloat16 on an accelerator, float32 on
-    #                              CPU); master weights are always float32 (DESIGN 3.0)
+    #                              CPU); master weights are always float32
 
     def __post_init__(self):
         given = [k for k in ("path", "preset", "hf_config") if getattr(self, k) is not None]
@@ -52,17 +53,27 @@ class ModelSpec:
             raise ConfigError(f"model.dtype must be one of {DTYPES}, got {self.dtype!r}")
 
 
+# RolloutConfig fields the trainer sets from ``rollout.*`` itself; ``rollout.engine`` must leave
+# them at their defaults.
+_TRAINER_SET = ("n", "max_new_tokens", "temperature", "top_p", "top_k", "eos_ids", "progress")
+
+
 @dataclasses.dataclass(frozen=True)
 class RolloutSettings:
-    """Sampling for training rollouts. ``engine`` holds further keys of the rollout engine's
-    ``RolloutConfig`` (page size, dense layers, ...), passed through unchanged."""
+    """Sampling for training rollouts. ``engine`` is the rollout engine's
+    :class:`~sparrow_jax.rollout.engine.RolloutConfig` (page size, dense layers, pool, ...),
+    checked when the config loads; the trainer fills in its samples, length, temperature and
+    EOS ids from the fields here. ``eos_ids``: the tokens that end a response; None: the
+    model's (config.json and generation_config.json); ``[]``: none (responses run to
+    ``max_new_tokens``)."""
 
     samples_per_prompt: int = 8
     max_new_tokens: int = 512
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = 0
-    engine: dict[str, Any] = dataclasses.field(default_factory=dict)
+    eos_ids: tuple[int, ...] | None = None
+    engine: RolloutConfig = RolloutConfig()
 
     def __post_init__(self):
         _positive(self, "max_new_tokens")
@@ -72,12 +83,27 @@ class RolloutSettings:
         if self.temperature <= 0:
             raise ConfigError(f"rollout.temperature must be > 0 for training, got "
                               f"{self.temperature}")
-        # DESIGN 3.4: truncation would bias the TIS ratios.
+        # Truncation would bias the TIS ratios (docs/design.md, mismatch).
         if self.top_p != 1.0 or self.top_k != 0:
             raise ConfigError(
                 f"training rollouts sample with temperature only (got top_p={self.top_p}, "
-                f"top_k={self.top_k}): top-p/top-k truncation biases the importance ratios "
-                "(DESIGN 3.4); use them for generation and evaluation only")
+                f"top_k={self.top_k}): top-p/top-k truncation biases the importance ratios; "
+                "use them for generation and evaluation only")
+        defaults = {f.name: f.default for f in dataclasses.fields(RolloutConfig)}
+        for name in _TRAINER_SET:
+            value = getattr(self.engine, name)
+            if value != defaults[name]:
+                raise ConfigError(
+                    f"rollout.engine.{name}: the trainer sets it from rollout.* (got {value!r}); "
+                    f"remove it from rollout.engine" + (
+                        "; training rollouts sample with temperature only"
+                        if name in ("top_p", "top_k") else ""))
+
+    def rollout_config(self, n: int, model_eos_ids) -> RolloutConfig:
+        """The engine config of one training rollout of ``n`` samples per prompt."""
+        eos = tuple(model_eos_ids) if self.eos_ids is None else self.eos_ids
+        return dataclasses.replace(self.engine, n=n, max_new_tokens=self.max_new_tokens,
+                                   temperature=self.temperature, eos_ids=eos)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -135,6 +161,28 @@ class MismatchSettings:
         _positive(self, "bin_tokens", "num_bins", "top_k")
 
 
+def build_schedule(spec: dict[str, Any] | None):
+    """``{"paper": "qwen3-1.7b"}`` or the fields of :class:`sparrow_jax.schedule.BudgetSchedule`
+    (``{kind: fixed, pages: 6}``); None: dense rollouts."""
+    if spec is None:
+        return None
+    from sparrow_jax.schedule import PAPER_TABLES, BudgetSchedule
+
+    if "paper" in spec:
+        if set(spec) != {"paper"}:
+            raise ConfigError(f"schedule: `paper` takes no other keys, got {sorted(spec)}")
+        if spec["paper"] not in PAPER_TABLES:
+            error = unknown_name("paper schedule", spec["paper"], PAPER_TABLES)
+            raise ConfigError(f"schedule.paper: {error}")
+        return BudgetSchedule.paper(spec["paper"])
+    try:
+        return from_dict(BudgetSchedule, spec, where="schedule")
+    except ConfigError:
+        raise
+    except ValueError as e:
+        raise ConfigError(f"schedule: {e}") from None
+
+
 @dataclasses.dataclass(frozen=True)
 class TrainConfig:
     run_dir: str = "runs/default"
@@ -145,7 +193,7 @@ class TrainConfig:
     reward: str = "needle"                      # a name in sparrow_jax.rl.rewards' registry
     reward_options: dict[str, Any] = dataclasses.field(default_factory=dict)
     rollout: RolloutSettings = RolloutSettings()
-    schedule: dict[str, Any] | None = None      # budget schedule (see trainer.build_schedule)
+    schedule: dict[str, Any] | None = None      # budget schedule (see build_schedule)
     update: UpdateConfig = UpdateConfig()
     optim: OptimConfig = OptimConfig()
     mismatch: MismatchSettings = MismatchSettings()
@@ -157,25 +205,49 @@ class TrainConfig:
     progress: bool = True
 
     def __post_init__(self):
+        from sparrow_jax.rl.rewards import reward_names
+
         _positive(self, "steps", "checkpoint_every", "keep_checkpoints", "eval_samples")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
+        if self.eval_every and self.data.num_eval < 1:
+            raise ConfigError(f"data.num_eval must be >= 1 when eval_every is set (eval_every="
+                              f"{self.eval_every}), got {self.data.num_eval}")
+        if self.reward not in reward_names():
+            raise unknown_name("reward", self.reward, reward_names())
         rows = self.data.prompts_per_step * self.rollout.samples_per_prompt
         if rows % self.update.mini_batches:
             raise ConfigError(
                 f"the rollout batch ({self.data.prompts_per_step} prompts x "
                 f"{self.rollout.samples_per_prompt} samples = {rows} rows) does not split into "
                 f"update.mini_batches={self.update.mini_batches} equal mini-batches")
+        schedule = self.budget_schedule
+        page_size = self.rollout.engine.page_size
+        if schedule is not None and schedule.page_size != page_size:
+            raise ConfigError(f"schedule.page_size: the schedule counts pages of "
+                              f"{schedule.page_size} tokens, rollout.engine.page_size is "
+                              f"{page_size}")
+
+    @property
+    def budget_schedule(self):
+        """The :class:`~sparrow_jax.schedule.BudgetSchedule` of ``schedule`` (None: dense)."""
+        return build_schedule(self.schedule)
 
 
 def load_train_config(path: str | Path) -> TrainConfig:
-    """Reads a YAML file into a :class:`TrainConfig` (unknown keys are an error)."""
+    """Reads a YAML file into a :class:`TrainConfig`; every error names the file and the key."""
     import yaml
 
     path = Path(path)
-    if not path.exists():
+    if not path.is_file():
         raise ConfigError(f"config file not found: {path}")
-    data = yaml.safe_load(path.read_text()) or {}
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
     if not isinstance(data, dict):
         raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    return from_dict(TrainConfig, data)
+    try:
+        return from_dict(TrainConfig, data)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None

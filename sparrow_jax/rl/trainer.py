@@ -1,10 +1,14 @@
-"""GRPO with sparse rollouts and dense recomputation: the training loop (DESIGN 1, 3.6).
+"""GRPO with sparse rollouts and dense recomputation: the training loop (docs/design.md, "Loss").
 
 One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off)
 -> mismatch metrics -> GRPO update -> metrics -> checkpoint. Steps are 0-based; the checkpoint
 named s holds the state before step s (s steps done), so ``--resume`` continues at step s and
 reproduces an uninterrupted run bit for bit (every random choice flows from the saved key and
-iterator state).
+iterator state; evaluation draws from its own key, a function of the seed and the step, so
+the evaluation cadence changes no training result).
+
+A run folder holds one run (:mod:`sparrow_jax.rl.run_dir`); SIGINT and SIGTERM stop at the next
+safe point with a checkpoint (:mod:`sparrow_jax.rl.interrupt`).
 
 The rollout is a function ``rollout_fn(model, prompts, key, n) -> Rollout`` (the n samples of a
 prompt in adjacent rows); by default it is :func:`sparrow_jax.rollout.engine.generate` with the
@@ -13,6 +17,7 @@ config's sampling settings and budget schedule.
 
 from __future__ import annotations
 
+import contextlib
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -22,12 +27,14 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparrow_jax.config import ConfigError, from_dict, to_dict
+from sparrow_jax.config import ConfigError, to_dict
 from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
 from sparrow_jax.rl.advantages import group_advantages
-from sparrow_jax.rl.config import ModelSpec, TrainConfig
+from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
+from sparrow_jax.rl.interrupt import StepAbandoned, StopSignals, TrainingInterrupted
 from sparrow_jax.rl.recompute import DenseStats, recompute
 from sparrow_jax.rl.rewards import get_reward, score_batch
+from sparrow_jax.rl.run_dir import RunDirError, check_resume, prepare_fresh
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
 from sparrow_jax.rollout.types import Rollout
 
@@ -53,30 +60,13 @@ def load_policy(spec: ModelSpec):
     return init_model(cfg, seed=spec.seed, dtype=dtype), cfg
 
 
-def build_schedule(spec: dict[str, Any] | None):
-    """``{"paper": "qwen3-1.7b"}`` or the fields of :class:`sparrow_jax.schedule.BudgetSchedule`
-    (``{kind: fixed, pages: 6}``); None: dense rollouts."""
-    if spec is None:
-        return None
-    from sparrow_jax.schedule import BudgetSchedule
-
-    if set(spec) == {"paper"}:
-        return BudgetSchedule.paper(spec["paper"])
-    return from_dict(BudgetSchedule, spec)
-
-
 def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
-    """The sparse rollout engine with the config's temperature-only sampling. Responses end at
-    the model's EOS ids (config.json / generation_config.json) unless ``rollout.engine`` gives
-    ``eos_ids``."""
-    from sparrow_jax.rollout.engine import RolloutConfig, generate
-
-    r = config.rollout
+    """The sparse rollout engine with the config's temperature-only sampling
+    (:meth:`RolloutSettings.rollout_config`)."""
+    from sparrow_jax.rollout.engine import generate
 
     def rollout_fn(model, prompts, key, n):
-        cfg = from_dict(RolloutConfig, {
-            "n": n, "max_new_tokens": r.max_new_tokens, "temperature": r.temperature,
-            "eos_ids": tuple(model.config.eos_token_ids), **r.engine})
+        cfg = config.rollout.rollout_config(n, model.config.eos_token_ids)
         return generate(model, prompts, cfg, key, schedule=schedule)
 
     return rollout_fn
@@ -145,7 +135,7 @@ class Trainer:
     def __init__(self, config: TrainConfig, rollout_fn: RolloutFn | None = None):
         self.config = config
         self.model, self.model_config = load_policy(config.model)
-        self.schedule = build_schedule(config.schedule)
+        self.schedule = config.budget_schedule
         self.rollout_fn = rollout_fn or engine_rollout_fn(config, self.schedule)
         self.reward_fn = get_reward(config.reward)
         tokenizer = None
@@ -168,6 +158,7 @@ class Trainer:
         from sparrow_jax.checkpoint import Checkpointer
 
         self.checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints)
+        self.stop = StopSignals()
 
     # -- checkpoints -------------------------------------------------------------------------
     def _arrays(self):
@@ -195,63 +186,53 @@ class Trainer:
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
+        """One GRPO step. Everything before the update is abandonable (:mod:`interrupt`): it
+        changes no state but the key and the prompt iterator, which :meth:`run` puts back."""
         cfg = self.config
         n, temperature = cfg.rollout.samples_per_prompt, cfg.rollout.temperature
-        prompts, answers = self.iterator.next_batch(self.train_set)
-        self.key, k_roll, k_update = jax.random.split(self.key, 3)
+        timer = _Timer()
+        with self.stop.abandonable():
+            prompts, answers = self.iterator.next_batch(self.train_set)
+            self.key, k_roll, k_update = jax.random.split(self.key, 3)
+            with timer("rollout"):
+                rollout = jax.block_until_ready(self.rollout_fn(self.model, prompts, k_roll, n))
+            check_rollout(rollout, len(prompts), n)
+            rewards = score_batch(self.reward_fn, [p for p in prompts for _ in range(n)],
+                                  responses_of(rollout), [a for a in answers for _ in range(n)],
+                                  **self.reward_context)
+            advantages = np.asarray(group_advantages(np.asarray(rewards), n))
 
-        t0 = time.perf_counter()
-        rollout = jax.block_until_ready(self.rollout_fn(self.model, prompts, k_roll, n))
-        t_rollout = time.perf_counter() - t0
-        check_rollout(rollout, len(prompts), n)
-        responses = responses_of(rollout)
-        rewards = score_batch(self.reward_fn, [p for p in prompts for _ in range(n)], responses,
-                              [a for a in answers for _ in range(n)], **self.reward_context)
-        advantages = np.asarray(group_advantages(np.asarray(rewards), n))
+            u = cfg.update
+            plan = self.updater.plan(k_update, len(rewards))
+            # The first mini-batch's forward doubles as its rows' recompute (update.py).
+            fused_rows = plan[0][0] if u.fuse_recompute else np.zeros(0, np.int64)
+            with timer("recompute"):
+                dense = recompute(self.model, rollout, temperature,
+                                  rows=np.setdiff1d(np.arange(len(rewards)), fused_rows),
+                                  micro_batch_size=u.micro_batch_size, top_k=cfg.mismatch.top_k,
+                                  chunk_size=u.chunk_size, length_multiple=u.length_multiple)
 
-        u = cfg.update
-        plan = self.updater.plan(k_update, len(rewards))
-        # The first mini-batch's forward doubles as its rows' recompute (update.py).
-        fused_rows = plan[0][0] if u.fuse_recompute else np.zeros(0, np.int64)
-        t0 = time.perf_counter()
-        dense = recompute(self.model, rollout, temperature,
-                          rows=np.setdiff1d(np.arange(len(rewards)), fused_rows),
-                          micro_batch_size=u.micro_batch_size, top_k=cfg.mismatch.top_k,
-                          chunk_size=u.chunk_size, length_multiple=u.length_multiple)
-        t_recompute = time.perf_counter() - t0
-
-        t0 = time.perf_counter()
-        batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
-                            np.asarray(rollout.response_lengths), dense.logprobs.copy(),
-                            np.asarray(rollout.logprobs), advantages.astype(np.float32),
-                            np.asarray(rollout.topk_ids))
-        self.opt_state, update_metrics = self.updater.update(
-            self.model, self.opt_state, batch, plan, temperature, self.step,
-            fused=dense if u.fuse_recompute else None)
-        t_update = time.perf_counter() - t0
-
-        mask = np.asarray(rollout.response_mask)
-        lengths = np.asarray(rollout.response_lengths)
-        metrics = {
-            "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
-            "response_length_mean": float(lengths.mean()),
-            "response_length_max": float(lengths.max()),
-            "entropy": float(dense.entropy[mask].mean()),
-            **mismatch_metrics(rollout, dense, cfg.mismatch.bin_tokens, cfg.mismatch.num_bins,
-                               cfg.mismatch.min_count,
-                               int(cfg.rollout.engine.get("page_size", 16))),
-            **update_metrics,
-            "tokens_per_s": float(lengths.sum() / max(t_rollout, 1e-9)),
-            "time_rollout": t_rollout, "time_recompute": t_recompute, "time_update": t_update,
-        }
+        with timer("update"):
+            batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
+                                np.asarray(rollout.response_lengths), dense.logprobs.copy(),
+                                np.asarray(rollout.logprobs), advantages.astype(np.float32),
+                                np.asarray(rollout.topk_ids))
+            self.opt_state, update_metrics = self.updater.update(
+                self.model, self.opt_state, batch, plan, temperature, self.step,
+                fused=dense if u.fuse_recompute else None)
         self.step += 1
-        return metrics
+        return step_metrics(cfg, rollout, dense, rewards, update_metrics, timer.seconds)
 
-    def evaluate(self) -> dict[str, float]:
+    def evaluate(self, step: int) -> dict[str, float]:
+        """mean@k and best@k on the held-out prompts, after ``step``; its random stream is
+        its own (seed, step), never the training key."""
         k = self.config.eval_samples
+        key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.seed),
+                                                    _EVAL_STREAM), step)
 
         def sample_fn(prompts, k_):
-            self.key, sub = jax.random.split(self.key)
+            nonlocal key
+            key, sub = jax.random.split(key)
             return responses_of(self.rollout_fn(self.model, prompts, sub, k_))
 
         def reward(p, r, a):
@@ -262,6 +243,8 @@ class Trainer:
         return {"eval_mean_at_k": res["mean_at_k"], "eval_best_at_k": res["best_at_k"]}
 
     def run(self, resume: bool = False) -> TrainResult:
+        """Steps until ``config.steps``. On SIGINT/SIGTERM: saves the state at the next safe
+        point and raises :class:`~sparrow_jax.rl.interrupt.TrainingInterrupted`."""
         cfg = self.config
         if resume:
             self.restore()
@@ -276,29 +259,116 @@ class Trainer:
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="grpo", unit="step")
         try:
-            while self.step < cfg.steps:
-                step = self.step
-                metrics = self.train_step()
-                if cfg.eval_every and (step + 1) % cfg.eval_every == 0:
-                    metrics.update(self.evaluate())
-                writer.write(step, metrics)
-                history.append({"step": step, **metrics})
-                if bar is not None:
-                    bar.update(1)
-                    bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
-                                    alpha=f"{metrics['alpha_paper_mean']:.3f}")
-                if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
-                    self.save()
+            with self.stop:
+                while self.step < cfg.steps and self.stop.signum is None:
+                    metrics = self._step_or_abandon()
+                    if metrics is None:
+                        break
+                    step = self.step - 1
+                    if cfg.eval_every and self.step % cfg.eval_every == 0:
+                        try:
+                            with self.stop.abandonable():
+                                metrics.update(self.evaluate(step))
+                        except StepAbandoned:
+                            pass
+                    writer.write(step, metrics)
+                    history.append({"step": step, **metrics})
+                    if bar is not None:
+                        bar.update(1)
+                        bar.set_postfix(reward=f"{metrics['reward_mean']:.3f}",
+                                        alpha=f"{metrics['alpha_paper_mean']:.3f}")
+                    if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
+                        self.save()
+                if self.stop.signum is not None:
+                    if self.checkpointer.latest_step() != self.step:
+                        self.save()
+                    raise TrainingInterrupted(self.stop.signum, self.step,
+                                              str(self.checkpointer.directory))
         finally:
             if bar is not None:
                 bar.close()
             writer.close()
         return TrainResult(self.model, history)
 
+    def _step_or_abandon(self) -> dict[str, float] | None:
+        """:meth:`train_step`, or None when a signal abandoned it (state put back)."""
+        key, data = self.key, self.iterator.state_dict()
+        try:
+            return self.train_step()
+        except StepAbandoned:
+            self.key = key
+            self.iterator.load_state_dict(data)
+            return None
 
-def train(config: TrainConfig, *, resume: bool = False,
+
+_EVAL_STREAM = 0x65766131  # folded into the seed's key: evaluation's own random stream
+
+
+class _Timer:
+    """``with timer("rollout"): ...`` adds the block's wall time to ``seconds["rollout"]``."""
+
+    def __init__(self):
+        self.seconds: dict[str, float] = {}
+
+    @contextlib.contextmanager
+    def __call__(self, name: str):
+        t0 = time.perf_counter()
+        try:
+            yield
+        finally:
+            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
+
+
+def step_metrics(cfg: TrainConfig, rollout: Rollout, dense: DenseStats, rewards, update_metrics,
+                 seconds: dict[str, float]) -> dict[str, float]:
+    """The metrics line of one step: rewards, lengths, entropy, mismatch, update, timings."""
+    mask = np.asarray(rollout.response_mask)
+    lengths = np.asarray(rollout.response_lengths)
+    return {
+        "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
+        "response_length_mean": float(lengths.mean()),
+        "response_length_max": float(lengths.max()),
+        "entropy": float(dense.entropy[mask].mean()),
+        **mismatch_metrics(rollout, dense, cfg.mismatch.bin_tokens, cfg.mismatch.num_bins,
+                           cfg.mismatch.min_count, cfg.rollout.engine.page_size),
+        **update_metrics,
+        "tokens_per_s": float(lengths.sum() / max(seconds["rollout"], 1e-9)),
+        **{f"time_{name}": t for name, t in seconds.items()},
+    }
+
+
+def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
           rollout_fn: RolloutFn | None = None) -> TrainResult:
-    """Runs GRPO for ``config.steps`` steps (from the latest checkpoint with ``resume``)."""
-    Path(config.run_dir).mkdir(parents=True, exist_ok=True)
+    """Runs GRPO for ``config.steps`` steps in ``config.run_dir``.
+
+    A fresh run refuses a run folder that holds another run unless ``overwrite`` (which deletes
+    that run's files); ``resume`` continues from the latest checkpoint, and refuses when the
+    checkpoint's config differs in what changes the results. Both checks come before the model
+    loads. Raises :class:`~sparrow_jax.rl.interrupt.TrainingInterrupted` after saving, on
+    SIGINT/SIGTERM."""
+    import yaml
+
+    run_dir = Path(config.run_dir)
+    if resume:
+        if overwrite:
+            raise ConfigError("--resume continues the run in the folder; --overwrite deletes it: "
+                              "give one of them")
+        _check_resumable(config)
+    else:
+        prepare_fresh(run_dir, overwrite)
+        (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
     return Trainer(config, rollout_fn).run(resume=resume)
 
+
+def _check_resumable(config: TrainConfig) -> None:
+    from sparrow_jax.checkpoint import Checkpointer
+
+    directory = Path(config.run_dir) / "checkpoints"
+    checkpointer = Checkpointer(directory, keep=config.keep_checkpoints) \
+        if directory.is_dir() else None
+    step = checkpointer and checkpointer.latest_step()
+    if step is None:
+        raise RunDirError(f"--resume: no checkpoint in {directory}; start the run without "
+                          "--resume")
+    check_resume(checkpointer.read_record(step)["config"], to_dict(config),
+                 f"checkpoint {step} in {directory}")
