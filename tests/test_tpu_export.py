@@ -55,3 +55,31 @@ def test_unknown_chip_is_named():
     with pytest.raises(ValueError, match="unknown TPU chip 'v4'"):
         with abstract_tpu("v4"):
             pass
+
+
+def test_engine_decode_step_lowers_with_the_tpu_kernels():
+    """One decode step of a tiny model (head_dim 128, bf16 cache) exported for TPU from this
+    host with impl="auto": the sparse layer holds the TPU kernels (``auto`` decides per platform
+    when lowering), while the same step run here on CPU takes the reference."""
+    from flax import nnx
+
+    from sparrow_jax.attention.allocator import PageAllocator
+    from sparrow_jax.attention.decode import decode_step
+    from sparrow_jax.attention.paged_cache import init_cache
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.qwen3 import init_model
+
+    cfg = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    graphdef, params = nnx.split(init_model(cfg, seed=0))
+    alloc = PageAllocator(40, 16, seed=0).allocate([100, 60], 1, 4)
+    cache = init_cache(cfg, 40, alloc.page_table, page_size=16, dtype=jnp.bfloat16)
+
+    def step(params, cache, tokens, budget):
+        return decode_step(nnx.merge(graphdef, params), cache, tokens, budget_pages=budget,
+                           dense_layers=(0,), impl="auto")
+
+    args = (params, cache, jnp.asarray([3, 5], jnp.int32), jnp.asarray([4, 4], jnp.int32))
+    assert_mosaic(export_for_tpu(step, *args, chip="v5p"))
+    cpu_text = jax.jit(step).lower(*args).as_text()
+    assert "tpu_custom_call" not in cpu_text
