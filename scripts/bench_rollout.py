@@ -154,7 +154,7 @@ def random_state(cfg: ModelConfig, rc: RolloutConfig, batch: int, prompt_len: in
         finish=jnp.full((batch,), engine._UNFINISHED, jnp.int32),
         logprobs=jnp.zeros((batch, r), jnp.float32), topk_ids=jnp.zeros((batch, r, k), jnp.int32),
         topk_logprobs=jnp.full((batch, r, k), -jnp.inf, jnp.float32),
-        budgets=jnp.zeros((batch, r), jnp.int32), key=keys[4])
+        budgets=jnp.zeros((batch, r), jnp.int32), streams=jax.random.split(keys[4], batch))
     return jax.block_until_ready(state), (width, np.asarray(alloc.page_table))
 
 

@@ -32,7 +32,8 @@ from sparrow_jax.attention.decode import decode_step, prefill
 from sparrow_jax.attention.paged_cache import SCORERS, PagedKVCache, fork, init_cache
 from sparrow_jax.attention.sparse import IMPLS
 from sparrow_jax.models.qwen3 import check_tokens, logits_from_hidden
-from sparrow_jax.rollout.sampling import SamplingParams, sample_from_logprobs, scaled_log_softmax
+from sparrow_jax.rollout.sampling import (SamplingParams, sample_from_logprobs,
+                                          scaled_log_softmax, step_keys, stream_keys)
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
 
@@ -103,6 +104,8 @@ class RolloutConfig:
         fix("stop_sequences", tuple(tuple(int(t) for t in s) for s in self.stop_sequences))
         fix("dense_layers", tuple(int(x) for x in self.dense_layers))
         SamplingParams(self.temperature, self.top_p, self.top_k)  # validates
+        if self.page_size < 1:  # before the checks below divide by it
+            raise ValueError(f"RolloutConfig: page_size must be positive, got {self.page_size}")
         checks = [
             (self.n >= 1, f"n must be >= 1, got {self.n}"),
             (self.max_new_tokens >= 1, f"max_new_tokens must be >= 1, got {self.max_new_tokens}"),
@@ -170,7 +173,7 @@ class _Loop(NamedTuple):
     topk_ids: jax.Array        # [S, R, k] int32
     topk_logprobs: jax.Array   # [S, R, k] float32
     budgets: jax.Array         # [S, R] int32
-    key: jax.Array
+    streams: jax.Array         # [S] keys: each row's random stream (sampling.stream_keys)
 
     @property
     def active(self) -> jax.Array:
@@ -178,7 +181,8 @@ class _Loop(NamedTuple):
 
 
 def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
-             schedule: BudgetSchedule | None = None, *, lora: bool = False) -> Rollout:
+             schedule: BudgetSchedule | None = None, *, lora: bool = False,
+             prompt_ids: Sequence[int] | None = None) -> Rollout:
     """Samples ``config.n`` responses to each of ``prompts`` (token id lists of any lengths, no
     padding) -> :class:`~sparrow_jax.rollout.types.Rollout` (rows ``i*n .. i*n+n-1`` answer
     prompt i).
@@ -187,6 +191,12 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     token included); None decodes densely. ``lora``: run the actor with its LoRA adapters
     (DistillSparse's sparse actor). Raises before any device work when the pool cannot hold the
     request.
+
+    Sample j of prompt i draws response position t from ``fold_in(fold_in(fold_in(key,
+    prompt_ids[i]), j), t)`` alone (``prompt_ids`` default ``0 .. len(prompts)-1``): its tokens
+    do not depend on the other prompts of the call, their order, or n (samples ``0 .. n-1`` of
+    a larger n are the same). A caller that splits one prompt list over several calls passes
+    each prompt's index in the whole list and gets the samples of one call.
     """
     cfg = model.config
     prompts = [list(p) for p in prompts]
@@ -201,6 +211,15 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     bad = [x for x in config.dense_layers if not 0 <= x < cfg.num_hidden_layers]
     if bad:
         raise ValueError(f"dense_layers {bad} outside the model's {cfg.num_hidden_layers} layers")
+    if prompt_ids is None:
+        prompt_ids = np.arange(len(prompts), dtype=np.int32)
+    else:
+        prompt_ids = np.asarray(prompt_ids)
+        if (prompt_ids.shape != (len(prompts),) or not np.issubdtype(prompt_ids.dtype, np.integer)
+                or prompt_ids.min() < 0 or prompt_ids.max() >= 2 ** 31):
+            raise ValueError(f"prompt_ids must be {len(prompts)} ints in [0, 2**31), one per "
+                             f"prompt, got {prompt_ids.tolist()}")
+        prompt_ids = prompt_ids.astype(np.int32)
     if schedule is not None and schedule.page_size != config.page_size:
         raise ValueError(f"the schedule counts pages of {schedule.page_size} tokens, the cache "
                          f"{config.page_size}")
@@ -231,6 +250,7 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     copy_dst = np.full(copies, NULL_PAGE, np.int32)
     copy_src[:len(alloc.copy_src)] = alloc.copy_src
     copy_dst[:len(alloc.copy_dst)] = alloc.copy_dst
+    sample_ids = np.arange(len(alloc.prompt_index)) - alloc.prompt_rows[alloc.prompt_index]
 
     graphdef, params = nnx.split(model)
     cache = init_cache(cfg, num_pages, alloc.prefill_page_table, page_size=p, dtype=cache_dtype,
@@ -244,7 +264,9 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
         state = _start(graphdef, params, cache, jnp.asarray(tokens),
                        jnp.asarray(prompt_lengths), jnp.asarray(alloc.page_table),
                        jnp.asarray(alloc.prompt_index), jnp.asarray(copy_src),
-                       jnp.asarray(copy_dst), key, static=static, response_capacity=r)
+                       jnp.asarray(copy_dst),
+                       stream_keys(key, prompt_ids[alloc.prompt_index], sample_ids),
+                       static=static, response_capacity=r)
     running = bool(jnp.any(state.active))
     steps_done = 0
     while running:
@@ -363,12 +385,11 @@ def _emit(state: _Loop, hidden: jax.Array, head: jax.Array, budget: jax.Array,
     r = state.logprobs.shape[1]
     rows = jnp.arange(s)
     active = state.active
-    key, sub = jax.random.split(state.key)
+    j = state.response_lengths
     logp = scaled_log_softmax(logits_from_hidden(hidden, head), static.sampling.temperature)
-    token, token_lp = sample_from_logprobs(sub, logp, static.sampling)
+    token, token_lp = sample_from_logprobs(step_keys(state.streams, j), logp, static.sampling)
     top_lp, top_ids = top_k(logp, static.top_k)
 
-    j = state.response_lengths
     slot = jnp.where(active, j, r)           # out of range: dropped for finished rows
     where = jnp.where(active, state.prompt_lengths + j, t)
     tokens = state.tokens.at[rows, where].set(token, mode="drop")
@@ -389,7 +410,7 @@ def _emit(state: _Loop, hidden: jax.Array, head: jax.Array, budget: jax.Array,
     finish = jnp.where((finish == _UNFINISHED) & (length >= r), int(FinishReason.LENGTH), finish)
     return state._replace(
         tokens=tokens, last=jnp.where(active, token, state.last), response_lengths=length,
-        finish=finish, key=key,
+        finish=finish,
         logprobs=state.logprobs.at[rows, slot].set(token_lp, mode="drop"),
         topk_ids=state.topk_ids.at[rows, slot].set(top_ids.astype(jnp.int32), mode="drop"),
         topk_logprobs=state.topk_logprobs.at[rows, slot].set(top_lp, mode="drop"),
@@ -399,9 +420,9 @@ def _emit(state: _Loop, hidden: jax.Array, head: jax.Array, budget: jax.Array,
 @functools.partial(jax.jit, static_argnames=("graphdef", "static", "response_capacity"),
                    donate_argnames=("cache",))
 def _start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index,
-           copy_src, copy_dst, key, *, static: _Static, response_capacity: int) -> _Loop:
+           copy_src, copy_dst, streams, *, static: _Static, response_capacity: int) -> _Loop:
     """Prefill the prompts, fork the samples onto the prompts' pages, sample the first token
-    (budget 0: prefill attends densely)."""
+    (budget 0: prefill attends densely). ``streams [S]``: the rows' random streams."""
     model = nnx.merge(graphdef, params)
     hidden, cache = prefill(model, cache, prompt_tokens, prompt_lengths,
                             chunk_size=static.prefill_chunk, lora=static.lora)
@@ -415,7 +436,7 @@ def _start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, p
         finish=jnp.full((s,), _UNFINISHED, jnp.int32),
         logprobs=jnp.zeros((s, r), jnp.float32), topk_ids=jnp.zeros((s, r, k), jnp.int32),
         topk_logprobs=jnp.full((s, r, k), -jnp.inf, jnp.float32),
-        budgets=jnp.zeros((s, r), jnp.int32), key=key)
+        budgets=jnp.zeros((s, r), jnp.int32), streams=streams)
     return _emit(state, hidden[prompt_index], model.head_weight(), jnp.zeros((s,), jnp.int32),
                  static)
 
