@@ -76,10 +76,14 @@ class PageAllocator:
     """Free list + reference counts over ``num_pages`` physical pages of ``page_size`` tokens.
 
     ``seed``: shuffle the initial free list (pages then land scattered in the pool; tests use it
-    to make sure nothing relies on contiguous pages).
+    to make sure nothing relies on contiguous pages). ``contiguous``: hand each request's pages
+    out as one run of adjacent free pages where one exists (the lowest such run), else as the
+    longest free runs, so that chosen neighbouring pages can be fetched by one copy (the TPU
+    kernels coalesce such runs); pages are the same in number, only placed differently.
     """
 
-    def __init__(self, num_pages: int, page_size: int = 16, *, seed: int | None = None):
+    def __init__(self, num_pages: int, page_size: int = 16, *, seed: int | None = None,
+                 contiguous: bool = False):
         if num_pages < 2:
             raise ValueError(f"num_pages must be >= 2 (page {NULL_PAGE} is reserved), "
                              f"got {num_pages}")
@@ -91,6 +95,7 @@ class PageAllocator:
         if seed is not None:
             np.random.default_rng(seed).shuffle(free)
         self._free = list(free[::-1])  # pop() from the end hands out free[0] first
+        self.contiguous = contiguous
         self.refcount = np.zeros(num_pages, np.int32)
         self._seq_pages: dict[int, np.ndarray] = {}
         self._next_id = 0
@@ -159,7 +164,12 @@ class PageAllocator:
                           copy_dst=np.asarray(copy_dst, np.int32))
 
     def _take(self, n: int, refs: int) -> np.ndarray:
-        pages = np.array([self._free.pop() for _ in range(n)], np.int32)
+        if self.contiguous and n > 1:
+            pages = _runs_of(np.asarray(self._free, np.int32), n)
+            taken = set(pages.tolist())
+            self._free = [q for q in self._free if q not in taken]
+        else:
+            pages = np.array([self._free.pop() for _ in range(n)], np.int32)
         self.refcount[pages] = refs
         return pages
 
@@ -171,3 +181,23 @@ class PageAllocator:
         self.refcount[pages] -= 1
         freed = pages[self.refcount[pages] == 0]
         self._free.extend(freed[::-1].tolist())
+
+
+def _runs_of(free: np.ndarray, n: int) -> np.ndarray:
+    """n of the ``free`` pages (n <= their count), in runs of adjacent pages: the lowest run of at
+    least n if there is one, else the longest runs (ties to the lower page) until n are taken."""
+    free = np.sort(free)
+    starts = np.flatnonzero(np.diff(free, prepend=free[0] - 2) != 1)
+    lengths = np.diff(np.append(starts, len(free)))
+    fits = np.flatnonzero(lengths >= n)
+    if len(fits):
+        i = starts[fits[0]]
+        return free[i:i + n].astype(np.int32)
+    out, left = [], n
+    for j in sorted(range(len(starts)), key=lambda j: (-lengths[j], starts[j])):
+        take = min(left, int(lengths[j]))
+        out.append(free[starts[j]:starts[j] + take])
+        left -= take
+        if not left:
+            break
+    return np.concatenate(out).astype(np.int32)
