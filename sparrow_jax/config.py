@@ -86,11 +86,12 @@ class ModelConfig:
             raise ConfigError(
                 f"unsupported architecture: model_type={model_type!r}, architectures={archs!r}; "
                 "sparrow-jax implements Qwen3ForCausalLM (model_type 'qwen3')")
-        rope_theta = cfg.get("rope_theta")
+        rope_theta, rope_key = cfg.get("rope_theta"), "rope_theta"
         scaling = cfg.get("rope_scaling")
         params = cfg.get("rope_parameters")
         if isinstance(params, dict):
-            rope_theta = params.get("rope_theta", rope_theta)
+            if "rope_theta" in params:
+                rope_theta, rope_key = params["rope_theta"], "rope_parameters.rope_theta"
             if params.get("rope_type", "default") != "default":
                 scaling = params
         if scaling:
@@ -125,7 +126,7 @@ class ModelConfig:
             head_dim=get("head_dim", int, None) or get("hidden_size", int) // heads,
             rms_norm_eps=get("rms_norm_eps", float, 1e-6),
             rope_theta=(10_000.0 if rope_theta is None
-                        else check_value(float, rope_theta, "rope_theta")),
+                        else check_value(float, rope_theta, rope_key)),
             tie_word_embeddings=get("tie_word_embeddings", bool, False),
             attention_bias=get("attention_bias", bool, False),
             max_position_embeddings=get("max_position_embeddings", int, 40_960),

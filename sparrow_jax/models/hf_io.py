@@ -90,7 +90,7 @@ def load_config(path: str | Path) -> ModelConfig:
     try:
         config = ModelConfig.from_hf_dict(_read_json(cfg_file, "config"))
     except ConfigError as e:
-        raise CheckpointError(f"{cfg_file}: {e}") from None
+        raise ConfigError(f"{cfg_file}: {e}") from None
     gen_eos = load_generation_config(path).get("eos_token_ids", ())
     eos = tuple(dict.fromkeys([*config.eos_token_ids, *gen_eos]))
     return dataclasses.replace(config, eos_token_ids=eos)
