@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import shutil
 import sys
 import time
 from pathlib import Path
@@ -64,7 +63,9 @@ def main(argv=None) -> int:
     from sparrow_jax.data import synthetic_task
     from sparrow_jax.plot import plot_run
     from sparrow_jax.rl.config import load_train_config
-    from sparrow_jax.rl.trainer import Trainer
+    from sparrow_jax.rl.interrupt import TrainingInterrupted
+    from sparrow_jax.rl.run_dir import previous_run
+    from sparrow_jax.rl.trainer import Trainer, prepare_run
 
     cfg = load_train_config(a.config)
     changes = {k: v for k, v in (("run_dir", a.run_dir), ("steps", a.steps)) if v is not None}
@@ -72,10 +73,9 @@ def main(argv=None) -> int:
         changes["progress"] = False
     cfg = dataclasses.replace(cfg, **changes)
     run_dir = Path(cfg.run_dir)
-    if run_dir.exists() and not a.resume:
+    if not a.resume and previous_run(run_dir):
         print(f"replacing the earlier run in {run_dir}", flush=True)
-        shutil.rmtree(run_dir)
-    run_dir.mkdir(parents=True, exist_ok=True)
+    prepare_run(cfg, resume=a.resume, overwrite=not a.resume)
 
     ceiling = synthetic_task(cfg.data).context_free_ceiling()
     print(f"needle task: {cfg.data.needle}\ncontext-free ceiling (a policy that ignores the "
@@ -87,7 +87,11 @@ def main(argv=None) -> int:
     print(f"held-out reward before GRPO (mean@{cfg.eval_samples}, {len(trainer.eval_set.prompts)} "
           f"prompts, sparse rollouts): {start:.4f}", flush=True)
     t0 = time.perf_counter()
-    history = trainer.run(resume=a.resume).history
+    try:
+        history = trainer.run(resume=a.resume).history
+    except TrainingInterrupted as e:
+        print(f"demo: {e}; resume with: bash scripts/demo.sh --resume", file=sys.stderr)
+        return e.exit_status
     t_train = time.perf_counter() - t0
     end = held_out_reward(trainer, eval_seed)
     wall = time.perf_counter() - t_start

@@ -45,6 +45,7 @@ from sparrow_jax.mismatch import (  # noqa: E402
     ESTIMATORS, acceptance_rate, acceptance_rate_paper, acceptance_rate_topk_bound,
     tail_statistic)
 from sparrow_jax.models.qwen3 import logits_from_hidden  # noqa: E402
+from sparrow_jax.plot import TAIL_TARGET  # noqa: E402
 from sparrow_jax.schedule import PAPER_TABLES, BudgetSchedule  # noqa: E402
 
 QUANTILE = 0.05
@@ -304,11 +305,14 @@ def plot(result: dict, alphas: dict[str, dict[str, np.ndarray]], mask, out_dir: 
                   if v is not None]
             ys = [v for v in b["tail"][name] if v is not None]
             ax.plot(xs, ys, marker="o", ms=3, color=color, label=b["label"])
+        if name == "paper":
+            ax.axhline(TAIL_TARGET, color="0.3", linestyle="--", linewidth=1,
+                       label=f"{TAIL_TARGET}: stability target")
         ax.set_title(f"{name}", fontsize=10)
         ax.set_xlabel("sequence length (bin centre, tokens)")
         ax.grid(alpha=0.3)
     axes[0].set_ylabel("5th percentile of alpha")
-    handles, names = axes[0].get_legend_handles_labels()
+    handles, names = axes[-1].get_legend_handles_labels()
     fig.legend(handles, names, loc="center right", title="budget\n(pages)", fontsize=8,
                title_fontsize=8)
     fig.suptitle(f"tail acceptance rate per {result['config']['bin_tokens']}-token bin, "
@@ -334,6 +338,7 @@ def plot(result: dict, alphas: dict[str, dict[str, np.ndarray]], mask, out_dir: 
         ax.set_title(f"budget {b['label']}: mean {b['mean']['exact']:.3f}, "
                      f"sparse {b['sparse_fraction']:.0%}", fontsize=9)
         ax.set_xlabel("alpha")
+        ax.set_ylabel("response tokens")
         ax.legend(fontsize=7, loc="upper left")
     for ax in axes.ravel()[len(labels):]:
         ax.axis("off")

@@ -2,28 +2,39 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 from sparrow_jax.metrics import read_metrics
 
-# Figures: (file stem, title, metric names drawn together).
+# Figures: (file stem, title, y-axis label, metric names drawn together).
 FIGURES = (
-    ("reward", "reward", ("reward_mean", "eval_mean_at_k")),
-    ("response_length", "response length (tokens)", ("response_length_mean",)),
-    ("alpha", "acceptance rate alpha", ("alpha_topk_bound_mean", "alpha_paper_mean",
-                                        "alpha_topk_bound_p5", "alpha_paper_p5")),
-    ("sparse_fraction", "fraction of decode steps that ran sparse", ("sparse_step_fraction",)),
-    ("clipping", "fractions of tokens", ("clip_fraction", "dual_clip_fraction",
-                                         "is_corrected_fraction")),
-    ("entropy", "entropy (nats)", ("entropy",)),
-    ("grad_norm", "gradient norm", ("grad_norm",)),
-    ("time", "seconds per step", ("time_rollout", "time_recompute", "time_update")),
+    ("reward", "reward", "reward (mean over rows)", ("reward_mean", "eval_mean_at_k")),
+    ("response_length", "response length", "tokens", ("response_length_mean",)),
+    ("alpha", "acceptance rate alpha", "alpha (1 - total variation)",
+     ("alpha_topk_bound_mean", "alpha_paper_mean", "alpha_topk_bound_p5", "alpha_paper_p5")),
+    ("sparse_fraction", "decode steps that ran sparse", "fraction of response tokens",
+     ("sparse_step_fraction",)),
+    ("clipping", "clipped and corrected tokens", "fraction of response tokens",
+     ("clip_fraction", "dual_clip_fraction", "is_corrected_fraction")),
+    ("entropy", "policy entropy", "nats per token", ("entropy",)),
+    ("grad_norm", "gradient norm", "global L2 norm", ("grad_norm",)),
+    ("time", "time per step", "seconds", ("time_rollout", "time_recompute", "time_update")),
 )
 
+# The stability threshold of the tail statistic (paper estimator): training is stable while
+# the 5th percentile of alpha stays above it in every length bin.
+TAIL_TARGET = 0.86
 
-def plot_run(run_dir: str | Path) -> list[Path]:
+
+def plot_run(run_dir: str | Path, references: dict[str, list[tuple[float, str]]] | None = None
+             ) -> list[Path]:
     """Writes one PNG per figure of :data:`FIGURES` that has data into ``RUN_DIR/plots`` and
-    returns their paths."""
+    returns their paths.
+
+    ``references``: figure stem -> horizontal reference lines ``(y, label)``, drawn dashed.
+    The alpha figure always gets the tail target; the reward figure gets the context-free
+    ceiling when the run folder's ``summary.json`` holds one (the demo writes it)."""
     try:
         import matplotlib
 
@@ -32,10 +43,18 @@ def plot_run(run_dir: str | Path) -> list[Path]:
     except ImportError:
         raise ImportError("plotting needs matplotlib: pip install matplotlib") from None
     records = read_metrics(run_dir)
+    lines = {"alpha": [(TAIL_TARGET, f"tail target {TAIL_TARGET} (p5, paper estimator)")]}
+    summary = Path(run_dir) / "summary.json"
+    if summary.is_file():
+        ceiling = json.loads(summary.read_text()).get("context_free_ceiling")
+        if ceiling is not None:
+            lines["reward"] = [(ceiling, f"context-free ceiling {ceiling:.4g}")]
+    for stem, extra in (references or {}).items():
+        lines[stem] = lines.get(stem, []) + list(extra)
     out_dir = Path(run_dir) / "plots"
     out_dir.mkdir(parents=True, exist_ok=True)
     paths = []
-    for stem, title, names in FIGURES:
+    for stem, title, ylabel, names in FIGURES:
         series = {}
         for name in names:
             pts = [(r["step"], r[name]) for r in records if r.get(name) is not None]
@@ -47,7 +66,10 @@ def plot_run(run_dir: str | Path) -> list[Path]:
         for name, pts in series.items():
             xs, ys = zip(*pts)
             ax.plot(xs, ys, marker="." if len(xs) < 50 else None, label=name)
-        ax.set_xlabel("step")
+        for y, label in lines.get(stem, ()):
+            ax.axhline(y, color="0.3", linestyle="--", linewidth=1, label=label)
+        ax.set_xlabel("training step")
+        ax.set_ylabel(ylabel)
         ax.set_title(title)
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)

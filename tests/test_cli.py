@@ -19,15 +19,6 @@ from sparrow_jax.models.tokenizer import load_tokenizer
 CHAT = str(hf_case("chat")["path"])
 
 
-@pytest.fixture(autouse=True)
-def _float32_matmuls():
-    """The greedy reference is a differently shaped (unpadded) forward: on GPU, JAX's default
-    float32 matmul is TF32 (~1e-3 relative), enough to flip a near-tie argmax between the two, so
-    pin full precision; on CPU this changes nothing."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def _run(capsys, *argv):
     rc = main([*argv, "--no-progress"] if argv[0] == "generate" else list(argv))
     out, err = capsys.readouterr()

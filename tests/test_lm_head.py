@@ -13,14 +13,6 @@ from sparrow_jax.models.lm_head import head_outputs
 B, T, D, V = 2, 7, 16, 50   # B*T = 14
 
 
-@pytest.fixture(autouse=True)
-def _float32_matmuls():
-    """References are float64 NumPy: on GPU, JAX's default float32 matmul is TF32 (~1e-3
-    relative), so pin full precision; on CPU this changes nothing."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def _data(seed=0):
     rng = np.random.default_rng(seed)
     h = rng.normal(size=(B, T, D)).astype(np.float32)

@@ -22,14 +22,6 @@ _forward = nnx.jit(lambda model, tokens, lora=False: model(tokens, lora=lora),
                    static_argnames="lora")
 
 
-@pytest.fixture(autouse=True)
-def _float32_matmuls():
-    """References are float64 NumPy: on GPU, JAX's default float32 matmul is TF32 (~1e-3
-    relative), so pin full precision; on CPU this changes nothing."""
-    with jax.default_matmul_precision("highest"):
-        yield
-
-
 def test_check_tokens_rejects_out_of_range():
     check_tokens(np.array([[0, 39]]), 40)
     with pytest.raises(ValueError, match=r"out of range \[0, 40\).*40"):

@@ -29,7 +29,7 @@ RESUMABLE_CHANGES = (
 )
 
 # What a fresh run would overwrite; anything else in the folder is left alone.
-RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "plots", "config.yaml")
+RUN_FILES = ("checkpoints", "metrics.jsonl", "tb", "plots", "config.yaml", "summary.json")
 
 
 class RunDirError(ConfigError):

@@ -339,13 +339,18 @@ def step_metrics(cfg: TrainConfig, rollout: Rollout, dense: DenseStats, rewards,
 
 def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
           rollout_fn: RolloutFn | None = None) -> TrainResult:
-    """Runs GRPO for ``config.steps`` steps in ``config.run_dir``.
-
-    A fresh run refuses a run folder that holds another run unless ``overwrite`` (which deletes
-    that run's files); ``resume`` continues from the latest checkpoint, and refuses when the
-    checkpoint's config differs in what changes the results. Both checks come before the model
-    loads. Raises :class:`~sparrow_jax.rl.interrupt.TrainingInterrupted` after saving, on
+    """Runs GRPO for ``config.steps`` steps in ``config.run_dir`` (:func:`prepare_run` first).
+    Raises :class:`~sparrow_jax.rl.interrupt.TrainingInterrupted` after saving, on
     SIGINT/SIGTERM."""
+    prepare_run(config, resume=resume, overwrite=overwrite)
+    return Trainer(config, rollout_fn).run(resume=resume)
+
+
+def prepare_run(config: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> None:
+    """Readies ``config.run_dir`` before the model loads. A fresh run refuses a folder that
+    holds another run unless ``overwrite`` (which deletes that run's files) and writes the
+    folder's ``config.yaml``; ``resume`` refuses when the latest checkpoint's config differs in
+    what changes the results (:mod:`sparrow_jax.rl.run_dir`)."""
     import yaml
 
     run_dir = Path(config.run_dir)
@@ -357,7 +362,6 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     else:
         prepare_fresh(run_dir, overwrite)
         (run_dir / "config.yaml").write_text(yaml.safe_dump(to_dict(config), sort_keys=False))
-    return Trainer(config, rollout_fn).run(resume=resume)
 
 
 def _check_resumable(config: TrainConfig) -> None:

@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The test suite on a GPU machine (the device image: JAX with CUDA, no venv): every test but the
+# `hf` ones (slow included), in parts that each finish within 10 minutes there.
+#   bash scripts/test_gpu.sh PART      PART: kernels | models | rl | all
+# Wheels the image lacks come from .whl/ (scripts/gpu_wheels.sh fetches them; carry .whl).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part=${1:-all}
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
+    --target /tmp/site .whl/*.whl
+  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
+fi
+export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
+python3 - <<'PY'
+import importlib.metadata as md, jax
+pins = {"jax": "0.11.2", "flax": "0.12.10", "optax": "0.2.8", "orbax-checkpoint": "0.12.4",
+        "chex": "0.1.92"}
+have = {p: md.version(p) for p in pins}
+print("devices:", jax.devices(), "| versions:", have)
+assert jax.default_backend() == "gpu", "no GPU: this script is for the GPU machine"
+bad = {p: v for p, v in have.items() if v != pins[p]}
+assert not bad, f"versions differ from the pins {pins}: {bad} (carry .whl)"
+PY
+# Each part's files: the GPU kernels; the model, cache, rollout and CLI; training and the rest.
+kernels="tests/test_sparse_kernel.py tests/test_sparse_decode.py tests/test_selection.py"
+models="tests/test_engine.py tests/test_engine_buckets.py tests/test_engine_topk.py
+  tests/test_decode.py tests/test_paged_cache.py tests/test_model.py tests/test_lm_head.py
+  tests/test_teacher_forced.py tests/test_hf_parity.py tests/test_hf_io.py tests/test_cli.py"
+case $part in
+  kernels) files=$kernels ;;
+  models) files=$models ;;
+  rl) files=$(ls tests/test_*.py | grep -v -x -F -f <(printf '%s\n' $kernels $models)) ;;
+  all) files="" ;;
+  *) echo "unknown part $part: kernels, models, rl or all" >&2; exit 2 ;;
+esac
+exec python3 -m pytest -q -m "not hf" -p no:cacheprovider $files
