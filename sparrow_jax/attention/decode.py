@@ -35,6 +35,26 @@ def _check_batch(cache: PagedKVCache, name: str, x, shape_tail=()):
                          f"got {x.shape}")
 
 
+def _head_sharded(attend, axis: str | None):
+    """``attend`` for a cache whose KV heads are split over mesh axis ``axis`` (inside
+    ``shard_map``; None: not split). The model computes every head; this shard attends with its
+    own KV heads and their query heads (query head ``h * G + r`` reads KV head h, so both are one
+    contiguous block), and the shards' outputs are gathered back into head order: a copy, no
+    reduction, so the result is the unsplit one."""
+    if axis is None:
+        return attend
+
+    def sharded(layer, q, k, v, cache):
+        shards, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
+        hk, hq = k.shape[2] // shards, q.shape[2] // shards
+        out, cache = attend(layer, jax.lax.dynamic_slice_in_dim(q, me * hq, hq, axis=2),
+                            jax.lax.dynamic_slice_in_dim(k, me * hk, hk, axis=2),
+                            jax.lax.dynamic_slice_in_dim(v, me * hk, hk, axis=2), cache)
+        return jax.lax.all_gather(out, axis, axis=2, tiled=True), cache
+
+    return sharded
+
+
 def _prefill_attend(layer, q, k, v, cache: PagedKVCache, *, start: int):
     """Chunk ``start .. start+C-1``: write its K/V, then attend causally over the row's cache
     (earlier chunks and this one, one gather)."""
@@ -60,7 +80,8 @@ def _prefill_attend(layer, q, k, v, cache: PagedKVCache, *, start: int):
 
 
 def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.Array, *,
-            chunk_size: int | None = None, lora: bool = False) -> tuple[jax.Array, PagedKVCache]:
+            chunk_size: int | None = None, lora: bool = False,
+            head_axis: str | None = None) -> tuple[jax.Array, PagedKVCache]:
     """Dense prefill of right-padded prompts ``tokens [B, T]`` with ``prompt_lengths [B]`` into
     ``cache`` (B rows, lengths 0) -> (final-normed hidden of each row's last prompt token
     ``[B, hidden]``, cache with ``lengths = prompt_lengths``).
@@ -68,6 +89,9 @@ def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.A
     ``chunk_size`` (a multiple of the page size; default: the whole prompt at once) bounds the
     attention scores to ``[B, Hq, chunk, T]``: chunk c attends to the earlier chunks through the
     cache and causally within itself. Padding is neither written nor counted.
+
+    ``head_axis``: inside ``shard_map``, the mesh axis the cache's KV heads are split over (the
+    cache holds this shard's heads; the model's weights are whole).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
@@ -91,7 +115,7 @@ def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.A
         positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (cache.batch, c))
         hidden, cache = model.forward(
             tokens[:, start:start + c], positions, state=cache, lora=lora,
-            attend=functools.partial(_prefill_attend, start=start))
+            attend=_head_sharded(functools.partial(_prefill_attend, start=start), head_axis))
         idx = prompt_lengths - 1 - start
         here = jnp.take_along_axis(hidden, jnp.clip(idx, 0, c - 1)[:, None, None], axis=1)[:, 0]
         in_chunk = ((idx >= 0) & (idx < c))[:, None]
@@ -124,7 +148,8 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
                 budget_pages: jax.Array | None = None, dense_layers: tuple[int, ...] = (0, 1),
                 scorer: str = "centroid", impl: str = "auto",
                 active: jax.Array | None = None, lora: bool = False,
-                max_budget_pages: int | None = None) -> tuple[jax.Array, PagedKVCache]:
+                max_budget_pages: int | None = None,
+                head_axis: str | None = None) -> tuple[jax.Array, PagedKVCache]:
     """One token per row: ``tokens [B]`` sit at position ``cache.lengths`` -> (final-normed
     hidden ``[B, hidden]``, cache with the token's K/V appended and ``lengths + 1``).
 
@@ -133,7 +158,8 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
     [B]`` (DESIGN 3.2; ``impl`` as there: "auto" takes the Pallas kernels on GPU;
     ``max_budget_pages``: its static gather width, default the table's).
     Rows where ``active [B]`` is False (finished) neither write the cache
-    nor grow; their outputs are meaningless. Jit with :data:`decode_step_jit` (cache donated).
+    nor grow; their outputs are meaningless. ``head_axis``: as in :func:`prefill`.
+    Jit with :data:`decode_step_jit` (cache donated).
     """
     if scorer not in SCORERS:
         raise ValueError(f"unknown scorer {scorer!r}; known: {SCORERS}")
@@ -152,6 +178,7 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
     attend = functools.partial(_decode_attend, pos=pos, active=active, budget_pages=budget_pages,
                                dense_layers=tuple(dense_layers), scorer=scorer, impl=impl,
                                max_budget_pages=max_budget_pages)
+    attend = _head_sharded(attend, head_axis)
     hidden, cache = model.forward(tokens[:, None], pos[:, None], attend=attend, state=cache,
                                   lora=lora)
     return hidden[:, 0], cache
@@ -169,9 +196,9 @@ def next_token_logprobs(model, hidden: jax.Array, temperature: float = 1.0) -> j
     return jax.nn.log_softmax(next_token_logits(model, hidden) / temperature, axis=-1)
 
 
-prefill_jit = nnx.jit(prefill, static_argnames=("chunk_size", "lora"),
+prefill_jit = nnx.jit(prefill, static_argnames=("chunk_size", "lora", "head_axis"),
                       donate_argnames=("cache",))
 decode_step_jit = nnx.jit(decode_step,
                           static_argnames=("dense_layers", "scorer", "impl", "lora",
-                                           "max_budget_pages"),
+                                           "max_budget_pages", "head_axis"),
                           donate_argnames=("cache",))

@@ -81,10 +81,11 @@ def init_cache(config: ModelConfig, num_pages: int, page_table, *, page_size: in
     page_table = jnp.asarray(page_table, jnp.int32)
     if page_table.ndim != 2:
         raise ValueError(f"page_table must be [batch, max_pages_per_seq], got {page_table.shape}")
-    table = np.asarray(page_table)
-    if table.size and (table.min() < 0 or table.max() >= num_pages):
-        raise ValueError(f"page_table entries must lie in [0, {num_pages}), got "
-                         f"[{table.min()}, {table.max()}]")
+    if not isinstance(page_table, jax.core.Tracer):   # traced: built under jit (a sharded pool)
+        table = np.asarray(page_table)
+        if table.size and (table.min() < 0 or table.max() >= num_pages):
+            raise ValueError(f"page_table entries must lie in [0, {num_pages}), got "
+                             f"[{table.min()}, {table.max()}]")
     layers, heads, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     b = page_table.shape[0]
     # Every array its own buffer: a donated cache must not hand one buffer over twice.

@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
 from sparrow_jax.attention.decode import decode_step, prefill
@@ -158,6 +159,7 @@ class _Static(NamedTuple):
     max_budget_pages: int | None
     prefill_chunk: int | None
     lora: bool
+    mesh: Mesh | None = None
 
 
 class _Loop(NamedTuple):
@@ -182,7 +184,7 @@ class _Loop(NamedTuple):
 
 def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
              schedule: BudgetSchedule | None = None, *, lora: bool = False,
-             prompt_ids: Sequence[int] | None = None) -> Rollout:
+             prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None) -> Rollout:
     """Samples ``config.n`` responses to each of ``prompts`` (token id lists of any lengths, no
     padding) -> :class:`~sparrow_jax.rollout.types.Rollout` (rows ``i*n .. i*n+n-1`` answer
     prompt i).
@@ -197,6 +199,16 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     do not depend on the other prompts of the call, their order, or n (samples ``0 .. n-1`` of
     a larger n are the same). A caller that splits one prompt list over several calls passes
     each prompt's index in the whole list and gets the samples of one call.
+
+    ``mesh`` (axes ``data``, ``fsdp``, ``tensor``): the prompts are split into equal contiguous
+    groups over ``data x fsdp``, all n samples of a prompt in one group; each group has its own
+    page pool (``num_pages`` and ``max_total_tokens`` count one group's pool) and page table,
+    and the KV heads of every pool are split over ``tensor`` (which must divide the model's KV
+    heads). Page selection, per (sequence, KV head), thus needs no communication: prefill and
+    decode run inside ``shard_map``, the only collective a gather of each layer's attention
+    output over ``tensor``. The weights are replicated on the mesh once per call (gathered if
+    the caller's are sharded). The result's rows are sharded over ``data x fsdp``. The tokens are
+    those of the call without a mesh (same streams), up to float rounding in the logits.
     """
     cfg = model.config
     prompts = [list(p) for p in prompts]
@@ -223,62 +235,64 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     if schedule is not None and schedule.page_size != config.page_size:
         raise ValueError(f"the schedule counts pages of {schedule.page_size} tokens, the cache "
                          f"{config.page_size}")
+    if mesh is not None:
+        _check_mesh(mesh, cfg)
 
     p = config.page_size
     r = config.max_new_tokens
-    prompt_lengths = np.array([len(x) for x in prompts], np.int32)
-    prompt_len_pad = _round_up(int(prompt_lengths.max()), config.prompt_multiple)
-    width = -(-(prompt_len_pad + r) // p)
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
-    num_pages = pool_size(config, cfg, prompt_lengths, cache_dtype)
-    alloc = PageAllocator(num_pages, p, seed=config.page_seed).allocate(
-        prompt_lengths, config.n, r, max_pages_per_seq=width)
-
+    lay = _layout(prompts, config, cfg, cache_dtype, mesh)
+    width = lay.page_table.shape[1]
     static = _Static(
         sampling=config.sampling, eos_ids=config.eos_ids, stop_sequences=config.stop_sequences,
         top_k=min(config.logprob_top_k, cfg.vocab_size), schedule=schedule,
         dense_layers=config.dense_layers, scorer=config.scorer, impl=config.impl,
         max_budget_pages=_max_budget_pages(schedule, width), prefill_chunk=config.prefill_chunk,
-        lora=lora)
-    num_prompts, n = len(prompts), config.n
-    tokens = np.zeros((num_prompts, prompt_len_pad), np.int32)
-    for i, x in enumerate(prompts):
-        tokens[i, :len(x)] = x
-    # Fixed-size copy lists (null page onto itself as padding): stable shapes across batches.
-    copies = num_prompts * (n - 1)
-    copy_src = np.full(copies, NULL_PAGE, np.int32)
-    copy_dst = np.full(copies, NULL_PAGE, np.int32)
-    copy_src[:len(alloc.copy_src)] = alloc.copy_src
-    copy_dst[:len(alloc.copy_dst)] = alloc.copy_dst
-    sample_ids = np.arange(len(alloc.prompt_index)) - alloc.prompt_rows[alloc.prompt_index]
+        lora=lora, mesh=mesh)
+
+    def put(x):
+        """A host array of rows onto the device(s): split over the row shards of the mesh."""
+        if mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(_ROWS)))
 
     graphdef, params = nnx.split(model)
-    cache = init_cache(cfg, num_pages, alloc.prefill_page_table, page_size=p, dtype=cache_dtype,
-                       scorer=config.scorer)
-    bar = _progress(config, len(alloc.seq_ids) * r)
+    if mesh is None:
+        cache = init_cache(cfg, lay.num_pages, lay.prefill_table, page_size=p,
+                           dtype=cache_dtype, scorer=config.scorer)
+    else:
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+        cache = _sharded_cache(cfg, lay.num_pages, put(lay.prefill_table), page_size=p,
+                               dtype=cache_dtype, scorer=config.scorer, mesh=mesh)
+    slot_ids = np.zeros(len(lay.prompt_lengths), np.int32)   # placeholders: any stream
+    slot_ids[:len(prompts)] = prompt_ids
+    streams = stream_keys(key, slot_ids[lay.slots], lay.sample_ids)
+    if mesh is not None:
+        streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(_ROWS)))
+    num_rows = len(prompts) * config.n
+    bar = _progress(config, num_rows * r)
     t0 = time.perf_counter()
     with warnings.catch_warnings():
         # The prefill's page table and per-prompt accumulators are replaced at fork, so their
         # donated buffers go unused; the pages themselves are reused in place.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        state = _start(graphdef, params, cache, jnp.asarray(tokens),
-                       jnp.asarray(prompt_lengths), jnp.asarray(alloc.page_table),
-                       jnp.asarray(alloc.prompt_index), jnp.asarray(copy_src),
-                       jnp.asarray(copy_dst),
-                       stream_keys(key, prompt_ids[alloc.prompt_index], sample_ids),
-                       static=static, response_capacity=r)
+        state = _start(graphdef, params, cache, put(lay.prompt_tokens), put(lay.prompt_lengths),
+                       put(lay.page_table), put(lay.prompt_index), put(lay.copy_src),
+                       put(lay.copy_dst), streams, put(lay.live), static=static,
+                       response_capacity=r)
     running = bool(jnp.any(state.active))
     steps_done = 0
+    longest = int(lay.prompt_lengths.max())
     while running:
         # Always the same number of steps per call (one compilation per table width); the loop
         # inside stops early once every row has finished, and no row outlives the response
         # capacity. The call sees the table's first `w` columns: every row's cache through
         # the call (lengths <= prompt + steps so far + steps_per_call) fits in them.
-        w = _table_width(int(prompt_lengths.max()) + steps_done + config.steps_per_call + 1,
-                         p, width, config.table_bucket_pages)
+        w = _table_width(longest + steps_done + config.steps_per_call + 1, p, width,
+                         config.table_bucket_pages)
         if state.cache.page_table.shape[1] != w:
             state = state._replace(cache=state.cache.replace(
-                page_table=jnp.asarray(alloc.page_table[:, :w])))
+                page_table=put(lay.page_table[:, :w])))
         state, running = _run_chunk(
             graphdef, params, state, config.steps_per_call,
             static=static._replace(max_budget_pages=_max_budget_pages(schedule, w)))
@@ -292,31 +306,154 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     if bar is not None:
         bar.close()
     finish = jnp.where(state.active, int(FinishReason.LENGTH), state.finish)
-    return Rollout(tokens=state.tokens, prompt_lengths=state.prompt_lengths,
-                   response_lengths=state.response_lengths, logprobs=state.logprobs,
-                   topk_ids=state.topk_ids, topk_logprobs=state.topk_logprobs,
-                   budget_pages=state.budgets, finish_reason=finish,
-                   prompt_index=jnp.asarray(alloc.prompt_index))
+    out = Rollout(tokens=state.tokens, prompt_lengths=state.prompt_lengths,
+                  response_lengths=state.response_lengths, logprobs=state.logprobs,
+                  topk_ids=state.topk_ids, topk_logprobs=state.topk_logprobs,
+                  budget_pages=state.budgets, finish_reason=finish,
+                  prompt_index=put(lay.slots))
+    if len(lay.slots) > num_rows:    # placeholder prompts fill the last groups: drop their rows
+        if mesh is not None:         # rows no longer split evenly: replicate, then cut
+            out = jax.device_put(out, NamedSharding(mesh, PartitionSpec()))
+        out = jax.tree.map(lambda x: x[:num_rows], out)
+    return out
 
 
-def pool_size(config: RolloutConfig, model_config, prompt_lengths, cache_dtype) -> int:
-    """The page pool for a request (the null page included); see :class:`RolloutConfig`."""
+# The mesh axes a rollout splits sequences over, and the one it splits KV heads over.
+_ROWS = ("data", "fsdp")
+_HEADS = "tensor"
+
+
+def _check_mesh(mesh: Mesh, model_config) -> None:
+    if set(mesh.axis_names) != {*_ROWS, _HEADS}:
+        raise ValueError(f"generate: the mesh's axes must be ('data', 'fsdp', 'tensor'), got "
+                         f"{mesh.axis_names}")
+    t, h = mesh.shape[_HEADS], model_config.num_key_value_heads
+    if h % t:
+        raise ValueError(f"generate: mesh axis tensor={t} must divide the model's {h} KV heads")
+
+
+class _Layout(NamedTuple):
+    """The host side of one call: the prompts in G equal groups of k prompt slots (one group per
+    row shard; slots past the prompts hold a one-token placeholder, finished at once), each group
+    with its own pool of ``num_pages`` and page ids local to it. Rows are group-major, so the
+    real rows come first, in prompt order. Np = G*k slots, S = Np*n rows."""
+
+    num_pages: int               # pages per group's pool (its null page included)
+    prompt_tokens: np.ndarray    # [Np, Tp] int32, right padded
+    prompt_lengths: np.ndarray   # [Np] int32
+    prefill_table: np.ndarray    # [Np, M] int32
+    page_table: np.ndarray       # [S, M] int32
+    prompt_index: np.ndarray     # [S] int32: the row's prompt within its group
+    copy_src: np.ndarray         # [G*k*(n-1)] int32 (each group's list padded with null pages)
+    copy_dst: np.ndarray
+    slots: np.ndarray            # [S] int32: the row's prompt slot (its prompt's index)
+    sample_ids: np.ndarray       # [S] int32
+    live: np.ndarray             # [S] bool: False on placeholder rows
+
+
+def _layout(prompts, config: RolloutConfig, model_config, cache_dtype, mesh) -> _Layout:
+    groups = 1 if mesh is None else mesh.shape[_ROWS[0]] * mesh.shape[_ROWS[1]]
+    n, p, r = config.n, config.page_size, config.max_new_tokens
+    k = -(-len(prompts) // groups)
+    lengths = np.ones(groups * k, np.int32)
+    lengths[:len(prompts)] = [len(x) for x in prompts]
+    max_new = np.zeros(groups * k, np.int32)
+    max_new[:len(prompts)] = r
+    tokens = np.zeros((groups * k, _round_up(int(lengths.max()), config.prompt_multiple)),
+                      np.int32)
+    for i, x in enumerate(prompts):
+        tokens[i, :len(x)] = x
+    width = -(-(tokens.shape[1] + r) // p)
+    parts = [slice(g * k, (g + 1) * k) for g in range(groups)]
+    tensor = 1 if mesh is None else mesh.shape[_HEADS]
+    device = None if mesh is None else mesh.devices.flat[0]
+    num_pages = max(pool_size(config, model_config, lengths[g], cache_dtype,
+                              max_new_tokens=max_new[g], kv_head_shards=tensor, device=device)
+                    for g in parts)
+    allocs = [PageAllocator(num_pages, p, seed=config.page_seed).allocate(
+        lengths[g], n, max_new[g], max_pages_per_seq=width) for g in parts]
+
+    def copies(name):
+        # Fixed-size copy lists (null page onto itself as padding): stable shapes across batches.
+        out = np.full((groups, k * (n - 1)), NULL_PAGE, np.int32)
+        for g, a in enumerate(allocs):
+            out[g, :len(getattr(a, name))] = getattr(a, name)
+        return out.reshape(-1)
+
+    prompt_index = np.concatenate([a.prompt_index for a in allocs])
+    slots = np.repeat(np.arange(groups * k, dtype=np.int32), n)
+    return _Layout(
+        num_pages=num_pages, prompt_tokens=tokens, prompt_lengths=lengths,
+        prefill_table=np.concatenate([a.prefill_page_table for a in allocs]),
+        page_table=np.concatenate([a.page_table for a in allocs]), prompt_index=prompt_index,
+        copy_src=copies("copy_src"), copy_dst=copies("copy_dst"), slots=slots,
+        sample_ids=np.tile(np.arange(n, dtype=np.int32), groups * k),
+        live=slots < len(prompts))
+
+
+def _cache_specs(cache: PagedKVCache) -> PagedKVCache:
+    """The cache's PartitionSpecs under a mesh: each row shard's pool is its block of the page
+    axis, the KV heads split over ``tensor``; tables, lengths and accumulators by row."""
+    pool, rows, partial = PartitionSpec(_HEADS, _ROWS), PartitionSpec(_ROWS), PartitionSpec(
+        None, _ROWS, _HEADS)
+
+    def each(arrays, spec):
+        return None if arrays is None else tuple(spec for _ in arrays)
+
+    return cache.replace(
+        k_pages=each(cache.k_pages, pool), v_pages=each(cache.v_pages, pool),
+        centroids=each(cache.centroids, pool), kmin=each(cache.kmin, pool),
+        kmax=each(cache.kmax, pool), page_table=rows, lengths=rows, partial_sum=partial,
+        partial_min=None if cache.partial_min is None else partial,
+        partial_max=None if cache.partial_max is None else partial)
+
+
+def _loop_specs(cache: PagedKVCache) -> _Loop:
+    """The loop state's PartitionSpecs under a mesh: every field by row."""
+    rows = PartitionSpec(_ROWS)
+    return _Loop(*(rows for _ in _Loop._fields))._replace(cache=_cache_specs(cache))
+
+
+def _sharded_cache(model_config, num_pages: int, prefill_table: jax.Array, *, page_size, dtype,
+                   scorer, mesh: Mesh) -> PagedKVCache:
+    """An empty cache with one pool of ``num_pages`` per row shard, created in place on the
+    mesh (never whole on one device)."""
+    groups = mesh.shape[_ROWS[0]] * mesh.shape[_ROWS[1]]
+
+    def build(table):
+        return init_cache(model_config, groups * num_pages, table, page_size=page_size,
+                          dtype=dtype, scorer=scorer)
+
+    shape = jax.eval_shape(build, prefill_table)
+    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), _cache_specs(shape),
+                             is_leaf=lambda x: isinstance(x, PartitionSpec))
+    return jax.jit(build, out_shardings=shardings)(prefill_table)
+
+
+def pool_size(config: RolloutConfig, model_config, prompt_lengths, cache_dtype, *,
+              max_new_tokens=None, kv_head_shards: int = 1, device=None) -> int:
+    """The page pool for a request (the null page included); see :class:`RolloutConfig`.
+    ``max_new_tokens`` (int or per prompt): default the config's. ``kv_head_shards``: devices a
+    page's KV heads are split over (``"memory"`` then fits that many times more pages)."""
     p = config.page_size
     if isinstance(config.num_pages, int):
         return config.num_pages
     if config.num_pages == "memory":
         return pages_in_free_memory(model_config, p, cache_dtype, config.memory_fraction,
-                                    scorer=config.scorer)
+                                    scorer=config.scorer, device=device,
+                                    kv_head_shards=kv_head_shards)
     if config.max_total_tokens is not None:
         return -(-config.max_total_tokens // p) + 1
-    need = int(pages_needed(prompt_lengths, config.n, config.max_new_tokens, p).sum()) + 1
+    max_new = config.max_new_tokens if max_new_tokens is None else max_new_tokens
+    need = int(pages_needed(prompt_lengths, config.n, max_new, p).sum()) + 1
     return _round_up(need, config.pool_multiple)
 
 
 def pages_in_free_memory(model_config, page_size: int, cache_dtype, fraction: float = 0.8, *,
-                         scorer: str = "centroid", device=None) -> int:
+                         scorer: str = "centroid", device=None, kv_head_shards: int = 1) -> int:
     """How many pages (K, V and the page summaries, every layer) ``fraction`` of the device's
-    free memory holds. Needs a backend that reports memory (GPU, TPU)."""
+    free memory holds, each device holding ``1 / kv_head_shards`` of a page's KV heads. Needs a
+    backend that reports memory (GPU, TPU)."""
     device = device or jax.devices()[0]
     stats = device.memory_stats() if hasattr(device, "memory_stats") else None
     if not stats or "bytes_limit" not in stats:
@@ -325,7 +462,8 @@ def pages_in_free_memory(model_config, page_size: int, cache_dtype, fraction: fl
     free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     c = model_config
     per_page_vectors = 2 * page_size + (3 if scorer == "quest" else 1)
-    per_page = (c.num_hidden_layers * c.num_key_value_heads * c.head_dim * per_page_vectors
+    heads = c.num_key_value_heads // kv_head_shards
+    per_page = (c.num_hidden_layers * heads * c.head_dim * per_page_vectors
                 * jnp.dtype(cache_dtype).itemsize)
     return int(free * fraction // per_page)
 
@@ -417,56 +555,89 @@ def _emit(state: _Loop, hidden: jax.Array, head: jax.Array, budget: jax.Array,
         budgets=state.budgets.at[rows, slot].set(budget, mode="drop"))
 
 
+def _on_mesh(body, mesh: Mesh | None, in_specs, out_specs):
+    """``body`` itself, or under ``mesh`` run per shard (``shard_map``)."""
+    if mesh is None:
+        return body
+    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
+                         check_vma=False)
+
+
+def _head_axis(static: _Static) -> str | None:
+    return None if static.mesh is None or static.mesh.shape[_HEADS] == 1 else _HEADS
+
+
 @functools.partial(jax.jit, static_argnames=("graphdef", "static", "response_capacity"),
                    donate_argnames=("cache",))
 def _start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index,
-           copy_src, copy_dst, streams, *, static: _Static, response_capacity: int) -> _Loop:
+           copy_src, copy_dst, streams, live, *, static: _Static,
+           response_capacity: int) -> _Loop:
     """Prefill the prompts, fork the samples onto the prompts' pages, sample the first token
-    (budget 0: prefill attends densely). ``streams [S]``: the rows' random streams."""
-    model = nnx.merge(graphdef, params)
-    hidden, cache = prefill(model, cache, prompt_tokens, prompt_lengths,
-                            chunk_size=static.prefill_chunk, lora=static.lora)
-    cache = fork(cache, page_table, prompt_index, copy_src, copy_dst)
-    s, r, k = page_table.shape[0], response_capacity, static.top_k
-    tokens = jnp.zeros((s, prompt_tokens.shape[1] + r), jnp.int32)
-    tokens = tokens.at[:, :prompt_tokens.shape[1]].set(prompt_tokens[prompt_index])
-    state = _Loop(
-        cache=cache, tokens=tokens, prompt_lengths=prompt_lengths[prompt_index],
-        last=jnp.zeros((s,), jnp.int32), response_lengths=jnp.zeros((s,), jnp.int32),
-        finish=jnp.full((s,), _UNFINISHED, jnp.int32),
-        logprobs=jnp.zeros((s, r), jnp.float32), topk_ids=jnp.zeros((s, r, k), jnp.int32),
-        topk_logprobs=jnp.full((s, r, k), -jnp.inf, jnp.float32),
-        budgets=jnp.zeros((s, r), jnp.int32), streams=streams)
-    return _emit(state, hidden[prompt_index], model.head_weight(), jnp.zeros((s,), jnp.int32),
-                 static)
+    (budget 0: prefill attends densely). Per row: ``streams [S]`` the random streams, ``live
+    [S]`` False for placeholder rows (finished at once). Under a mesh, per row shard."""
+
+    def body(params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index, copy_src,
+             copy_dst, streams, live):
+        model = nnx.merge(graphdef, params)
+        hidden, cache = prefill(model, cache, prompt_tokens, prompt_lengths,
+                                chunk_size=static.prefill_chunk, lora=static.lora,
+                                head_axis=_head_axis(static))
+        cache = fork(cache, page_table, prompt_index, copy_src, copy_dst)
+        s, r, k = page_table.shape[0], response_capacity, static.top_k
+        tokens = jnp.zeros((s, prompt_tokens.shape[1] + r), jnp.int32)
+        tokens = tokens.at[:, :prompt_tokens.shape[1]].set(prompt_tokens[prompt_index])
+        state = _Loop(
+            cache=cache, tokens=tokens, prompt_lengths=prompt_lengths[prompt_index],
+            last=jnp.zeros((s,), jnp.int32), response_lengths=jnp.zeros((s,), jnp.int32),
+            finish=jnp.full((s,), _UNFINISHED, jnp.int32),
+            logprobs=jnp.zeros((s, r), jnp.float32), topk_ids=jnp.zeros((s, r, k), jnp.int32),
+            topk_logprobs=jnp.full((s, r, k), -jnp.inf, jnp.float32),
+            budgets=jnp.zeros((s, r), jnp.int32), streams=streams)
+        state = _emit(state, hidden[prompt_index], model.head_weight(),
+                      jnp.zeros((s,), jnp.int32), static)
+        return state._replace(finish=jnp.where(live, state.finish, int(FinishReason.LENGTH)))
+
+    rows = PartitionSpec(_ROWS)
+    mesh = static.mesh
+    in_specs = None if mesh is None else (PartitionSpec(), _cache_specs(cache)) + (rows,) * 8
+    out_specs = None if mesh is None else _loop_specs(cache)   # fork keeps the cache's fields
+    return _on_mesh(body, mesh, in_specs, out_specs)(
+        params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index, copy_src,
+        copy_dst, streams, live)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "static"),
                    donate_argnames=("state",))
 def _run_chunk(graphdef, params, state: _Loop, num_steps: int, *,
                static: _Static) -> tuple[_Loop, jax.Array]:
-    """Up to ``num_steps`` decode steps, fewer if every row finishes -> (state, any running)."""
-    model = nnx.merge(graphdef, params)
-    head = model.head_weight()
+    """Up to ``num_steps`` decode steps, fewer if every row finishes -> (state, any running).
+    Under a mesh each row shard runs its own loop (no communication between them)."""
 
-    def body(carry):
-        i, st = carry
-        # The step feeds the last token at position `lengths`; its budget is that of the
-        # sequence with the token included (DESIGN 3.1).
-        budget = (None if static.schedule is None
-                  else static.schedule.budget_pages(st.cache.lengths + 1))
-        hidden, cache = decode_step(
-            model, st.cache, st.last, budget_pages=budget, dense_layers=static.dense_layers,
-            scorer=static.scorer, impl=static.impl, active=st.active, lora=static.lora,
-            max_budget_pages=static.max_budget_pages)
-        recorded = jnp.zeros_like(st.last) if budget is None else budget
-        return i + 1, _emit(st._replace(cache=cache), hidden, head, recorded, static)
+    def body(params, state):
+        model = nnx.merge(graphdef, params)
+        head = model.head_weight()
 
-    def cond(carry):
-        i, st = carry
-        return (i < num_steps) & jnp.any(st.active)
+        def step(carry):
+            i, st = carry
+            # The step feeds the last token at position `lengths`; its budget is that of the
+            # sequence with the token included (DESIGN 3.1).
+            budget = (None if static.schedule is None
+                      else static.schedule.budget_pages(st.cache.lengths + 1))
+            hidden, cache = decode_step(
+                model, st.cache, st.last, budget_pages=budget, dense_layers=static.dense_layers,
+                scorer=static.scorer, impl=static.impl, active=st.active, lora=static.lora,
+                max_budget_pages=static.max_budget_pages, head_axis=_head_axis(static))
+            recorded = jnp.zeros_like(st.last) if budget is None else budget
+            return i + 1, _emit(st._replace(cache=cache), hidden, head, recorded, static)
 
-    _, state = jax.lax.while_loop(cond, body, (jnp.int32(0), state))
+        def cond(carry):
+            i, st = carry
+            return (i < num_steps) & jnp.any(st.active)
+
+        return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
+
+    specs = None if static.mesh is None else _loop_specs(state.cache)
+    state = _on_mesh(body, static.mesh, (PartitionSpec(), specs), specs)(params, state)
     return state, jnp.any(state.active)
 
 

@@ -1,0 +1,192 @@
+"""The rollout engine under a device mesh: a sampled rollout gives the tokens of the one-device
+rollout on every mesh.
+
+The comparison runs in a subprocess (this file run as a script) with 8 simulated CPU devices
+(``--xla_force_host_platform_device_count=8``; on a multi-device host the devices found are used
+and the meshes scale with their count). Run it directly to see the figures::
+
+    XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
+        python tests/test_engine_mesh.py 8,1,1 2,4,1 2,2,2 1,8,1
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.config import ModelConfig
+
+P = 4
+V = 48
+CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+LENGTHS = (5, 8, 21, 3, 13)   # 5 prompts: most meshes need placeholder prompts
+N, R = 2, 10
+MAX_GAP = 1e-5                # a token may differ only where the draw was this close to a tie
+
+
+def _run_script(*meshes: str) -> str:
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
+    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *meshes], env=env,
+                         capture_output=True, text=True, timeout=900)
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
+    return out.stdout
+
+
+def _checked(out: str) -> int:
+    """Meshes the script compared (each printed its "same tokens" line)."""
+    count = int(out.split("checked ")[-1].split()[0])
+    assert out.count("same tokens") == count >= 1, out
+    return count
+
+
+def test_sampled_rollout_equals_one_device_on_a_2x2x2_mesh():
+    _checked(_run_script("2,2,2"))
+
+
+@pytest.mark.slow
+def test_sampled_rollout_equals_one_device_on_every_mesh():
+    out = _run_script("8,1,1", "2,4,1", "2,2,2", "1,8,1")
+    assert _checked(out) == 4 or "(cpu)" not in out, out
+
+
+def test_mesh_axes_are_checked():
+    from sparrow_jax.models.qwen3 import init_model
+    from sparrow_jax.rollout.engine import RolloutConfig, generate
+
+    mesh = jax.make_mesh((1, 1), ("data", "model"))
+    with pytest.raises(ValueError, match=r"mesh's axes must be \('data', 'fsdp', 'tensor'\)"):
+        generate(init_model(CFG), [[1, 2]], RolloutConfig(page_size=P), jax.random.key(0),
+                 mesh=mesh)
+
+
+# ------------------------------------------------------------------------------ the script
+def _meshes(requested: list[tuple[int, int, int]], devices: int) -> list[tuple[int, int, int]]:
+    """The requested meshes when they use every device; otherwise (another device count) the
+    same layouts scaled to ``devices``, those the tiny model's 2 KV heads allow."""
+    if all(np.prod(m) == devices for m in requested):
+        return requested
+    d = devices
+    scaled = [(d, 1, 1), (2, d // 2, 1), (2, 2, d // 4), (1, d, 1)]
+    return [m for m in scaled if np.prod(m) == d and m[2] <= CFG.num_key_value_heads
+            and min(m) >= 1]
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
+
+
+def _check_pool_is_split(mesh) -> None:
+    """Each device holds its row shard's pool (a block of the page axis) and its KV heads."""
+    import jax.numpy as jnp
+
+    from sparrow_jax.rollout import engine
+
+    groups, tensor = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]
+    table = jax.device_put(np.zeros((groups * 2, 3), np.int32),
+                           jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
+                               ("data", "fsdp"))))
+    cache = engine._sharded_cache(CFG, 7, table, page_size=P, dtype=jnp.float32,
+                                  scorer="centroid", mesh=mesh)
+    h, d = CFG.num_key_value_heads, CFG.head_dim
+    assert cache.k_pages[0].shape == (h, groups * 7, P, d)
+    for shard in cache.k_pages[0].addressable_shards:
+        assert shard.data.shape == (h // tensor, 7, P, d)
+    for shard in cache.partial_sum.addressable_shards:
+        assert shard.data.shape == (CFG.num_hidden_layers, 2, h // tensor, d)
+
+
+def _compare(ref, got, key, label: str) -> None:
+    """Row by row: the same tokens; up to a row's first differing token (allowed only where the
+    reference's Gumbel-max draw had its best two candidates within MAX_GAP) the same log-probs
+    and top-k."""
+    from sparrow_jax.rollout.sampling import step_keys, stream_keys
+
+    rt, gt = np.asarray(ref.tokens), np.asarray(got.tokens)
+    pl, rl = np.asarray(ref.prompt_lengths), np.asarray(ref.response_lengths)
+    np.testing.assert_array_equal(np.asarray(got.prompt_index), np.asarray(ref.prompt_index))
+    np.testing.assert_array_equal(np.asarray(got.prompt_lengths), pl)
+    ids, logps = np.asarray(ref.topk_ids), np.asarray(ref.topk_logprobs, np.float64)
+    s = len(pl)
+    # Every draw of the reference, rebuilt: argmax(logp + gumbel(step key)) over the whole
+    # vocabulary (logprob_top_k = V records all of logp); the gap of a differing token is read
+    # from these perturbed log-probs.
+    rows, steps = np.meshgrid(np.arange(s), np.arange(R), indexing="ij")
+    keys = step_keys(stream_keys(key, rows.ravel() // N, rows.ravel() % N), steps.ravel())
+    noise = np.asarray(jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys), np.float64)
+    logp = np.empty((s, R, V))
+    np.put_along_axis(logp, ids, logps, axis=2)
+    pert = logp + noise.reshape(s, R, V)
+    for b in range(s):
+        drawn = rt[b, pl[b] + np.arange(rl[b])]
+        np.testing.assert_array_equal(np.argmax(pert[b, :rl[b]], -1), drawn)
+    differing = []
+    for b in range(s):
+        a, g = rt[b, pl[b]:pl[b] + R], gt[b, pl[b]:pl[b] + R]
+        j = int(np.argmax(a != g)) if (a != g).any() else R
+        if j < R:
+            gap = abs(pert[b, j, a[j]] - pert[b, j, g[j]])
+            assert gap < MAX_GAP, f"{label}: row {b} differs at {j} with gap {gap:.3g}"
+            differing.append((b, j, gap))
+        np.testing.assert_allclose(np.asarray(got.logprobs)[b, :j],
+                                   np.asarray(ref.logprobs)[b, :j], atol=1e-5)
+        np.testing.assert_array_equal(np.asarray(got.topk_ids)[b, :j, :5], ids[b, :j, :5])
+        np.testing.assert_array_equal(np.asarray(got.budget_pages)[b, :j],
+                                      np.asarray(ref.budget_pages)[b, :j])
+        if j == R:
+            assert int(got.response_lengths[b]) == rl[b]
+    print(f"{label}: same tokens in {s - len(differing)}/{s} rows; differing "
+          f"(row, position, gap): {differing}")
+
+
+def main(argv: list[str]) -> None:
+    import time
+
+    jax.config.update("jax_default_matmul_precision", "highest")   # float32 on GPUs too
+    from sparrow_jax.models.qwen3 import init_model
+    from sparrow_jax.rollout.engine import RolloutConfig, generate
+    from sparrow_jax.schedule import BudgetSchedule
+
+    requested = [tuple(int(x) for x in a.split(",")) for a in argv] or [(2, 2, 2)]
+    devices = jax.device_count()
+    meshes = _meshes(requested, devices)
+    print(f"{devices} devices ({jax.devices()[0].platform}); meshes {meshes}")
+    assert meshes, f"no mesh of {requested} fits {devices} devices"
+    model = init_model(CFG, seed=0)
+    config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
+                           prompt_multiple=32, steps_per_call=R, dense_layers=(0,), page_seed=3,
+                           logprob_top_k=V, table_bucket_pages=None)
+    schedule = BudgetSchedule.fixed(3, page_size=P)   # sparse: below most rows' page count
+    key = jax.random.key(4)
+    t0 = time.perf_counter()
+    ref = generate(model, _prompts(), config, key, schedule)
+    print(f"one device: {time.perf_counter() - t0:.1f} s")
+    for shape in meshes:
+        mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"))
+        _check_pool_is_split(mesh)
+        t0 = time.perf_counter()
+        got = generate(model, _prompts(), config, key, schedule, mesh=mesh)
+        print(f"mesh {shape}: {time.perf_counter() - t0:.1f} s")
+        _compare(ref, got, key, f"mesh {shape}")
+    bad = jax.make_mesh((1, devices // 4, 4), ("data", "fsdp", "tensor")) if devices % 4 == 0 \
+        else None
+    if bad is not None:
+        try:
+            generate(model, _prompts(), config, key, schedule, mesh=bad)
+        except ValueError as e:
+            assert "tensor=4 must divide the model's 2 KV heads" in str(e), e
+        else:
+            raise AssertionError("a tensor axis wider than the KV heads was accepted")
+    print(f"checked {len(meshes)} meshes")
+
+
+if __name__ == "__main__":
+    main(sys.argv[1:])
