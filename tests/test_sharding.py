@@ -74,8 +74,9 @@ def test_resolve_splits_only_what_divides():
 
 
 def test_every_parameter_and_adapter_has_a_rule_and_unknown_paths_are_named():
-    model = init_model(dataclasses_replace(CFG, attention_bias=True, num_hidden_layers=2))
-    attach_lora(model, LoRAConfig(rank=2), jax.random.key(0))
+    cfg = dataclasses_replace(CFG, attention_bias=True, num_hidden_layers=2)
+    model = nnx.eval_shape(lambda: attach_lora(init_model(cfg), LoRAConfig(rank=2),
+                                               jax.random.key(0)))
     specs = dict(nnx.to_flat_state(sharding.param_specs(nnx.state(model), {
         "data": 2, "fsdp": 2, "tensor": 2})))
     spec = {"/".join(map(str, p)): s.get_value() for p, s in specs.items()}
@@ -274,6 +275,39 @@ def check_load(shape, cases=("attn_bias", "bf16")) -> dict:
     return out
 
 
+def check_memory(shape, b=16, seq=256, resp=128) -> dict:
+    """memory_per_device vs what device 0 holds: its shards of the params and AdamW state (one
+    gradient copy counts as the params again), and XLA's memory analysis of a micro-batch's
+    compiled gradient program (arguments, outputs and temporaries; remat on)."""
+    from sparrow_jax.memory import memory_per_device
+    from sparrow_jax.rl import update
+
+    mesh = sharding.make_mesh(MeshConfig(*shape))
+    model = sharding.shard_model(init_model(CFG, seed=0), mesh)
+    updater = PolicyUpdater(UCFG, OCFG)
+    opt_state = updater.init(model)
+    graphdef, params, rest = split_model(model)
+    inputs = [np.zeros((b, seq), np.int32), np.full((b,), 10, np.int32),
+              np.ones((b, resp), bool), np.zeros((b, resp), np.float32),
+              np.zeros((b, resp), np.float32), np.zeros((b,), np.float32),
+              np.zeros((b, resp, 1), np.int32)]
+    inputs = [jax.device_put(x, sharding.batch_sharding(mesh, x.shape)) for x in inputs]
+    with sharding.use_mesh(mesh):
+        grads = update._micro_grads.lower(
+            graphdef, params, rest, *inputs, jnp.float32(1), response_capacity=resp,
+            temperature=1.0, loss_config=UCFG.loss, chunk_size=UCFG.chunk_size, fused_top_k=0,
+            remat=True).compile()
+    est = memory_per_device(CFG, shape, micro_batch_size=b, seq_len=seq, response_len=resp,
+                            compute_bytes=4)
+    g = grads.memory_analysis()
+    held = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
+            for tree in (params, opt_state)]
+    return {"state_held": 2 * held[0] + held[1],
+            "state_est": est.weights + est.grads + est.optimizer,
+            "grads_xla": g.argument_size_in_bytes + g.output_size_in_bytes + g.temp_size_in_bytes,
+            "grads_est": est.weights + est.grads + est.activations}
+
+
 def run_checks() -> dict:
     n = jax.device_count()
     shapes = mesh_shapes(n)
@@ -284,8 +318,10 @@ def run_checks() -> dict:
     report["checkpoint"] = check_checkpoint(states[shapes[1]], shapes[2 % len(shapes)])
     t2 = time.perf_counter()
     report["load"] = check_load(shapes[2 % len(shapes)])
+    t3 = time.perf_counter()
+    report["memory"] = check_memory(shapes[2 % len(shapes)])
     report["seconds"] = {"training": t1 - t0, "checkpoint": t2 - t1,
-                         "load": time.perf_counter() - t2}
+                         "load": t3 - t2, "memory": time.perf_counter() - t3}
     return report
 
 
@@ -336,6 +372,13 @@ def test_load_qwen3_on_a_mesh_equals_the_unsharded_load(report):
     for case, r in report["load"].items():
         assert r["param_equal"] and r["wrong_layout"] == [] and r["unsplit"] == [], (case, r)
         assert r["logit_diff"] < 1e-4, (case, r)
+
+
+def test_memory_per_device_within_10_percent_of_xla(report):
+    r = report["memory"]
+    # weights, grads and moments are exact (up to AdamW's step count)
+    assert abs(r["state_held"] - r["state_est"]) <= 0.01 * r["state_held"], r
+    assert abs(r["grads_xla"] - r["grads_est"]) <= 0.10 * r["grads_xla"], r
 
 
 if __name__ == "__main__":
