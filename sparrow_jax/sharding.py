@@ -58,13 +58,12 @@ PARAM_RULES: tuple[tuple[str, Logical], ...] = (
 )
 
 # The forward's activations, by the letters of their dimensions (B batch, T tokens, D hidden,
-# H heads, K head dim, F MLP width, V vocabulary).
+# H heads, K head dim, F MLP width). Batch inputs take BATCH on their rows
+# (:func:`batch_sharding`); the LM head's logits follow the vocabulary split of its weight.
 ACTIVATION_RULES: dict[str, Logical] = {
-    "BT": (BATCH, None),                     # token ids, masks, per-token values
     "BTD": (BATCH, None, None),              # residual stream
-    "BTHK": (BATCH, None, "tensor", None),   # q, k, v and attention output per head
+    "BTHK": (BATCH, None, "tensor", None),   # q, k, v per head
     "BTF": (BATCH, None, "tensor"),          # MLP gate * up
-    "BTV": (BATCH, None, "tensor"),          # logits
 }
 
 
