@@ -4,8 +4,9 @@ One forward serves every use: the attention itself is a function handed in by th
 (:data:`AttendFn`), so the dense training forward, prefill into a paged cache, the sparse decode
 step and teacher-forced sparse attention all run the same projections, norms and RoPE.
 
-Precision (DESIGN 3.0): parameters live in ``param_dtype`` (float32 masters), matmuls run in
-the compute ``dtype`` (bfloat16 on accelerators), norms, softmax and log-softmax in float32.
+Precision (docs/design.md, section 1): parameters live in ``param_dtype`` (float32 masters),
+matmuls run in the compute ``dtype`` (bfloat16 on accelerators), norms, softmax and log-softmax
+in float32.
 
 Under a device mesh (``jax.set_mesh``) the residual stream, the heads and the MLP width are
 pinned to :data:`sparrow_jax.sharding.ACTIVATION_RULES`; without one those pins do nothing.

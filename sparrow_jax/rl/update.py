@@ -1,4 +1,4 @@
-"""The GRPO update of the dense weights (DESIGN 3.6, 3.7).
+"""The GRPO update of the dense weights (docs/design.md, sections 7 and 8).
 
 One rollout batch -> ``epochs`` x ``mini_batches`` AdamW steps. A mini-batch's gradient is the
 sum of its micro-batches' gradients, each of ``sum(token losses) / N`` with N the mini-batch's
@@ -7,9 +7,9 @@ leaves that are not ``LoRAParam`` are trained, in float32, and every forward run
 
 When the first mini-batch's forward runs with the parameters that generated the rollout (always:
 it is the first optimizer step of the batch), it doubles as the dense recompute of its rows
-(DESIGN 3.6): ``logp_old`` is its own stop-gradient log-prob and the mismatch statistics of those
-rows come out of the same forward, so only the other rows need a separate recompute pass. With
-one mini-batch (the paper's setting) the recompute pass disappears.
+(docs/design.md, section 7): ``logp_old`` is its own stop-gradient log-prob and the mismatch
+statistics of those rows come out of the same forward, so only the other rows need a separate
+recompute pass. With one mini-batch (the paper's setting) the recompute pass disappears.
 
 On a device mesh (parameters placed by :func:`sparrow_jax.sharding.shard_model`) the same steps
 run under that mesh: micro-batch rows are split over ``data`` x ``fsdp``, gradients and updated
@@ -77,8 +77,8 @@ def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
     graphdef, params, rest = nnx.split(model, TRAINABLE, ...)
     bad = {str(x.dtype) for x in jax.tree.leaves(params) if x.dtype != jnp.float32}
     if bad:
-        raise TypeError(f"trainable parameters must be float32 masters (DESIGN 3.0), found {bad}; "
-                        "load the model with param_dtype=float32")
+        raise TypeError(f"trainable parameters must be float32 masters (docs/design.md, "
+                        f"section 1), found {bad}; load the model with param_dtype=float32")
     return graphdef, params, rest
 
 
