@@ -241,7 +241,8 @@ def check_checkpoint(saving, restore_shape) -> dict:
     opt_b = restored["opt_state"]
     _, m_a, _ = _step(model_a, opt_a, up_a, 1)
     _, m_b, _ = _step(model_b, opt_b, up_b, 1)
-    return {"wrong_layout": wrong, "exact": exact, "template_differs": template_differs, "loss": m_b["loss"], "ref_loss": m_a["loss"],
+    return {"wrong_layout": wrong, "exact": exact, "template_differs": template_differs,
+            "loss": m_b["loss"], "ref_loss": m_a["loss"],
             "param_diff": _max_diff(split_model(model_a)[1], split_model(model_b)[1]),
             "restored_mesh": list(mesh_b.devices.shape),
             "on_mesh": all(x.sharding.mesh.shape == mesh_b.shape

@@ -202,8 +202,8 @@ def load_qwen3(path: str | Path, dtype=jnp.float32, param_dtype=None, *,
                                   f"use: {sorted(extra)[:8]}{' ...' if len(extra) > 8 else ''}")
         missing = [name for name in expected if name not in tensors]
         if missing:
-            raise CheckpointError(f"checkpoint lacks tensor {missing[0]}"
-                                  f"{f' (and {len(missing) - 1} more)' if len(missing) > 1 else ''}")
+            more = f" (and {len(missing) - 1} more)" if len(missing) > 1 else ""
+            raise CheckpointError(f"checkpoint lacks tensor {missing[0]}{more}")
         if (config.tie_word_embeddings and "lm_head.weight" in tensors
                 and not np.array_equal(np.asarray(tensors["lm_head.weight"][...], np.float32),
                                        np.asarray(tensors["model.embed_tokens.weight"][...],
