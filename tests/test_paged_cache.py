@@ -9,7 +9,8 @@ import pytest
 from sparrow_jax.attention.allocator import (NULL_PAGE, PageAllocator, PoolExhaustedError,
                                              pages_needed)
 from sparrow_jax.attention.paged_cache import append_token, fork, init_cache, write_chunk
-from sparrow_jax.attention.paged_dense import (paged_attention, paged_attention_pallas,
+from sparrow_jax.attention.paged_dense import (pallas_blocks, paged_attention,
+                                               paged_attention_pallas,
                                                paged_attention_xla)
 from sparrow_jax.config import ModelConfig
 
@@ -279,6 +280,15 @@ def test_paged_attention_pallas_interpreted_matches_numpy():
     got = paged_attention_pallas(*(jnp.asarray(x) for x in (q, k, v, table, lengths)),
                                  pages_per_compute_block=2, k_splits=2, interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("m", [1, 3, 5, 8, 13, 100, 256])
+def test_pallas_blocks_are_powers_of_two(m):
+    """Triton needs power-of-two array sizes (a 5-page table failed on the H100 before)."""
+    block, splits, width = pallas_blocks(m, 8, 16)
+    for x in (block, splits):
+        assert x >= 1 and x & (x - 1) == 0
+    assert block <= min(8, m) and width >= m and width % (block * splits) == 0
 
 
 def test_paged_attention_rejects_bad_shapes():

@@ -85,11 +85,9 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
         warnings.simplefilter("ignore", DeprecationWarning)
         from jax.experimental.pallas.ops.gpu.paged_attention import paged_attention
 
-    m = page_table.shape[1]
-    k_splits = max(1, min(k_splits, m // pages_per_compute_block))
-    block = min(pages_per_compute_block, m)
-    width = -(-m // (k_splits * block)) * k_splits * block
-    table = jnp.pad(page_table, ((0, 0), (0, width - m)))
+    block, k_splits, width = pallas_blocks(page_table.shape[1], pages_per_compute_block,
+                                           k_splits)
+    table = jnp.pad(page_table, ((0, 0), (0, width - page_table.shape[1])))
     # Its kernel applies no softmax scale: fold it into q (one more rounding of q in the cache
     # dtype unless sqrt(head_dim) is a power of two).
     scaled = (q.astype(jnp.float32) * q.shape[-1] ** -0.5).astype(k_pages.dtype)
@@ -97,6 +95,19 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                           pages_per_compute_block=block, k_splits=k_splits,
                           interpret=interpret)
     return out.astype(q.dtype)
+
+
+def _floor_pow2(x: int) -> int:
+    return 1 << (max(x, 1).bit_length() - 1)
+
+
+def pallas_blocks(m: int, pages_per_compute_block: int, k_splits: int) -> tuple[int, int, int]:
+    """-> (pages per block, splits, padded table width) for a table of ``m`` pages: both
+    shrunk to fit short tables and rounded down to powers of two (Triton's arrays must have
+    power-of-two sizes), the width a multiple of their product."""
+    block = _floor_pow2(min(pages_per_compute_block, m))
+    k_splits = _floor_pow2(max(1, min(k_splits, m // block)))
+    return block, k_splits, -(-m // (k_splits * block)) * k_splits * block
 
 
 def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
