@@ -6,6 +6,8 @@ allocates), pad the prompts to a bucketed length. Device side: one jitted call p
 prompts, forks the n samples of each prompt onto its shared pages and samples the first token;
 then jitted chunks of ``steps_per_call`` decode steps run in a ``lax.while_loop`` that stops as
 soon as every row has finished. The host only looks at one flag per chunk (progress, stopping).
+Each row samples from its own random stream (see :mod:`sparrow_jax.rollout.sampling`). Under a
+device mesh the same functions run per shard inside ``shard_map`` (see :func:`generate`).
 
 Typical use::
 
