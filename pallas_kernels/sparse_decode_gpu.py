@@ -1,6 +1,6 @@
 """Paged top-k sparse decode as Pallas kernels (Triton lowering on GPU, interpret mode on CPU).
 
-One decode step of DESIGN 3.2 for one layer, in three kernels and a small combine:
+One decode step of docs/design.md, section 3 for one layer, in three kernels and a small combine:
 
 1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores ``qbar . centroid`` of the pages
    that may be chosen (``1 .. n-3``), turned into int32 keys whose signed order is the order of
@@ -34,7 +34,7 @@ from jax.experimental.pallas import triton as plgpu
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, page_centroids
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
-RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (DESIGN 3.2)
+RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (docs/design.md, section 3)
 _INT_MIN = -(2 ** 31)
 # Finite, so that a fully masked block cannot turn the running max into NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -362,7 +362,7 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          merge_in_kernel: bool = False, score_warps: int = 4,
                          score_loop: int = 1, score_stages: int = 1,
                          interpret: bool = False) -> jax.Array:
-    """Block top-k sparse decode attention (DESIGN 3.2), the Pallas kernels.
+    """Block top-k sparse decode attention (docs/design.md, section 3), the Pallas kernels.
 
     ``sparrow_jax.sparse_decode(..., impl="pallas")`` (or ``"auto"`` on a GPU) is the usual way
     in; this entry point also takes the tuning settings.

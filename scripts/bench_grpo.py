@@ -13,7 +13,8 @@ monitoring events of JAX time separately (``compile_s``).
         --out $OUT/grpo.json
 
 ``--no-fuse`` runs the dense recompute as its own pass instead of fusing it into the first
-mini-batch's forward (DESIGN 3.6). CPU smoke test: ``--model tiny --max-new 64 --steps 2``.
+mini-batch's forward (docs/design.md, section 7). CPU smoke test: ``--model tiny --max-new 64
+--steps 2``.
 """
 
 from __future__ import annotations

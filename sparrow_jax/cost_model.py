@@ -1,4 +1,4 @@
-"""Rollout cost model (DESIGN 3.5): the paper's closed forms, and a per-step form.
+"""Rollout cost model (docs/design.md, section 6): the paper's closed forms, and a per-step form.
 
 Costs are in FLOP-equivalents: FLOPs plus ``I`` times the elements moved, where ``I = peak FLOP/s
 x bytes per element / memory bandwidth``. Symbols as in the paper: P parameters, N samples, L_in

@@ -1,4 +1,4 @@
-"""Mismatch between the dense policy p and the sparse actor q (DESIGN 3.4).
+"""Mismatch between the dense policy p and the sparse actor q (docs/design.md, section 5).
 
 The per-token acceptance rate ``alpha = sum_x min(p(x), q(x)) = 1 - TV(p, q)``, three ways:
 
@@ -79,9 +79,9 @@ def tail_statistic(alpha: jax.Array, positions: jax.Array, bin_tokens: int = 200
                    min_count: int = 100) -> jax.Array:
     """Per length bin, the ``quantile`` of alpha over the valid tokens in it -> ``[num_bins]``.
 
-    alpha ``[...]``; positions ``[...]`` int, each token's step ``lengths`` (DESIGN 3.1); mask
-    ``[...]`` bool, the tokens that count (response tokens, not padding). Bin ``i =
-    min(positions // bin_tokens, num_bins - 1)``; quantiles interpolate linearly as NumPy's
+    alpha ``[...]``; positions ``[...]`` int, each token's step ``lengths`` (docs/design.md,
+    section 2); mask ``[...]`` bool, the tokens that count (response tokens, not padding). Bin
+    ``i = min(positions // bin_tokens, num_bins - 1)``; quantiles interpolate linearly as NumPy's
     default ``percentile``; NaN where a bin holds fewer than ``min_count`` tokens. Pure JAX and
     jittable (one sort of all tokens keyed by bin, then a gather per bin).
     """

@@ -1,4 +1,4 @@
-"""Length-indexed budget schedule (DESIGN 3.3) and its search (DESIGN 3.5).
+"""Length-indexed budget schedule (docs/design.md, section 4) and its search (section 6).
 
 A schedule maps each sequence's ``lengths`` (prompt + generated, current token included) to its
 page budget, reserved pages included. The cost model lives in :mod:`sparrow_jax.cost_model`; its
@@ -30,7 +30,8 @@ PAPER_TABLES = {
     # a multiple of 16, less the 3 reserved), so 385 reads as a typo for 381.
     "qwen3-8b": (29, 45, 61, 77, 125, 157, 189, 253, 253, 253, 253, 317, 317, 317, 317, 317, 317,
                  381, 445, 445),
-    # As DESIGN 3.3 lists it: 19 entries, so its last (open-ended) bin starts at 36000 tokens.
+    # 19 entries (docs/design.md, section 4), so its last (open-ended) bin starts at 36000
+    # tokens.
     "qwen3-14b": (29, 45, 77, 125, 253) + (381,) * 9 + (509, 637, 637, 893, 893),
 }
 

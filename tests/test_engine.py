@@ -103,7 +103,7 @@ def test_sparse_with_budget_beyond_every_sequence_equals_dense(model, greedy_ref
 def test_recorded_logprobs_equal_teacher_forced_sparse_forward(model):
     """Sampled rows decoded with a length-indexed schedule small enough to be sparse: the
     recorded log-probs and top-k are those of the teacher-forced sparse forward with the recorded
-    budgets (DESIGN 3.2)."""
+    budgets (docs/design.md, section 3)."""
     schedule = BudgetSchedule.from_table([0, 1, 2], bin_tokens=12, page_size=P)  # 3, 4, 5 pages
     prompts = _prompts((14, 23, 30), seed=1)
     ro = generate(model, prompts, _config(n=2, temperature=1.0, max_new_tokens=16),

@@ -1,4 +1,5 @@
-"""The GRPO/TIS loss of DESIGN 3.6 against hand-worked values and a float64 NumPy reference."""
+"""The GRPO/TIS loss (docs/design.md, section 7) against hand-worked values and a float64 NumPy
+reference."""
 
 import jax
 import jax.numpy as jnp
@@ -48,7 +49,7 @@ def test_hand_worked_metrics():
 
 
 def _np_loss(logp_new, logp_old, logp_sparse, adv, mask, num_tokens, cfg):
-    """Written from DESIGN 3.6 token by token, in float64."""
+    """Written from docs/design.md, section 7 token by token, in float64."""
     total = 0.0
     for b in range(logp_new.shape[0]):
         a = adv[b]

@@ -1,4 +1,4 @@
-"""The public names (DESIGN 4) resolve lazily, and importing the package stays cheap."""
+"""The public names (README.md, "Using it") resolve lazily; importing the package stays cheap."""
 
 import subprocess
 import sys

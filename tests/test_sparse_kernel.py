@@ -1,5 +1,6 @@
 """The Pallas sparse decode kernels (pallas_kernels/sparse_decode_gpu.py) against the float64 NumPy
-reference of DESIGN 3.2 (tests/reference_np.py), written independently of the kernel code.
+reference of docs/design.md, section 3 (tests/reference_np.py), written independently of the
+kernel code.
 
 On CPU the kernels run in Pallas' interpreter; on a GPU the same tests compile them with Triton.
 """
@@ -20,8 +21,8 @@ P = 16
 
 
 def reference(q, k, v, cent, table, lengths, budgets):
-    """The float64 reference (tests/reference_np.py, DESIGN 3.2) scoring the stored centroids
-    -> (output, chosen slots per (b, h))."""
+    """The float64 reference (tests/reference_np.py, docs/design.md, section 3) scoring the
+    stored centroids -> (output, chosen slots per (b, h))."""
     return sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table), np.asarray(lengths),
                             np.asarray(budgets), page_size=P, centroids=as64(cent),
                             return_pages=True)

@@ -34,7 +34,8 @@ def _batch(seed=0, s=8, t=24, r=10):
 
 
 def _reference_loss(model, b: UpdateBatch, loss_cfg: LossConfig):
-    """Full [S, T, V] logits, explicit (row, position) index lists and the DESIGN 3.6 formula."""
+    """Full [S, T, V] logits, explicit (row, position) index lists and the loss formula
+    (docs/design.md, section 7)."""
     logp_all = jax.nn.log_softmax(model(jnp.asarray(b.tokens)) / TEMP, axis=-1)
     rows = np.concatenate([np.full(n, i) for i, n in enumerate(b.response_lengths)])
     slots = np.concatenate([np.arange(n) for n in b.response_lengths])

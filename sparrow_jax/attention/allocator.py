@@ -1,4 +1,4 @@
-"""Host-side page allocator for the paged KV cache (DESIGN 3.1).
+"""Host-side page allocator for the paged KV cache (docs/design.md, section 2).
 
 A free list over the physical page pool with a reference count per page. Every page a sequence
 may need (prompt + ``max_new_tokens``) is allocated up front, so the jitted decode loop never

@@ -1,4 +1,5 @@
-"""Page summaries, page scores and Sparrow's block top-k page selection (DESIGN 3.1-3.2).
+"""Page summaries, page scores and Sparrow's block top-k page selection (docs/design.md,
+sections 2-3).
 
 Everything here is shape-polymorphic over leading axes, so the decode step (one query per
 sequence) and teacher-forced attention (one query per position) share one definition of which

@@ -1,4 +1,4 @@
-"""Sparse decode attention for one layer over a paged KV cache (DESIGN 3.1, 3.2 and 4).
+"""Sparse decode attention for one layer over a paged KV cache (docs/design.md, sections 2-3).
 
 The reference implementation here defines the semantics; the Pallas kernels for GPU
 (``impl="pallas"``) and for TPU (``impl="pallas_tpu"``) match it, and all check their arguments

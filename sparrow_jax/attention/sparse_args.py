@@ -1,4 +1,5 @@
-"""Argument checks of one sparse decode step (DESIGN 3.1-3.2), shared by every implementation.
+"""Argument checks of one sparse decode step (docs/design.md, sections 2-3), shared by every
+implementation.
 
 :func:`sparrow_jax.attention.sparse.sparse_decode` (the reference and the dispatch) and
 :func:`pallas_kernels.sparse_decode_gpu.sparse_decode_pallas` (the kernels called directly) both

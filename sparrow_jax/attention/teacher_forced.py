@@ -1,4 +1,4 @@
-"""Teacher-forced sparse attention over whole sequences (DESIGN 3.2).
+"""Teacher-forced sparse attention over whole sequences (docs/design.md, section 3).
 
 Every position i attends through its own block top-k selection over its causal prefix, with
 ``lengths = i + 1`` and that position's budget, exactly as the decode step that consumed token i

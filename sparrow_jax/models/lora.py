@@ -1,9 +1,9 @@
 """Linear layers with an optional LoRA adapter, switched on or off per call.
 
-The adapter belongs to the sparse actor only (DESIGN 3.7): every dense pass calls with
-``lora=False`` and so never depends on it. Adapter weights are :class:`LoRAParam`, a subclass of
-``nnx.Param``, so optimizers and checkpoints can select them (``nnx.state(model, LoRAParam)``)
-apart from the dense weights.
+The adapter belongs to the sparse actor only (docs/design.md, section 8): every dense pass calls
+with ``lora=False`` and so never depends on it. Adapter weights are :class:`LoRAParam`, a
+subclass of ``nnx.Param``, so optimizers and checkpoints can select them
+(``nnx.state(model, LoRAParam)``) apart from the dense weights.
 """
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""GRPO group advantages (DESIGN 3.6)."""
+"""GRPO group advantages (docs/design.md, section 7)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""The TIS-corrected GRPO loss of DESIGN 3.6, per token, summed over a global token count.
+"""The TIS-corrected GRPO loss (docs/design.md, section 7), per token, summed over a global token
+count.
 
 Every per-token quantity is divided by ``num_tokens``, the number of response tokens of the
 whole mini-batch, not of the micro-batch at hand: the micro-batch losses (and their metrics)

@@ -20,7 +20,7 @@ class Rollout:
 
     Shapes: S sequences, T = prompt + response capacity, R = response capacity, k = top-k kept.
     Response position j of row b sits at ``tokens[b, prompt_lengths[b] + j]``; rows are right
-    padded (no left padding: DESIGN 3.0).
+    padded (no left padding: docs/design.md, section 1).
     """
 
     tokens: jax.Array            # [S, T] int32, prompt then response, right padded
