@@ -1,7 +1,8 @@
-"""Float64 NumPy references of DESIGN 3.2-3.5, written from the text, independently of the JAX code.
+"""Float64 NumPy references of docs/design.md, sections 3-6, written from the text, independently
+of the JAX code.
 
 Deliberately plain: Python loops over sequences, heads and pages, explicit sorts, no
-vectorisation tricks, so that a reader can check each line against DESIGN.md. Kernel tests of
+vectorisation tricks, so that a reader can check each line against docs/design.md. Kernel tests of
 other modules may reuse these.
 """
 
@@ -114,7 +115,7 @@ def teacher_forced_np(q, k, v, budget_pages, prompt_lengths, *, page_size=16, sc
     return out
 
 
-# --- mismatch (DESIGN 3.4) ---
+# --- mismatch (docs/design.md, section 5) ---
 
 def softmax_np(logits, temperature=1.0):
     z = np.asarray(logits, np.float64) / temperature

@@ -155,7 +155,7 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
 
     Layers attend densely when ``budget_pages`` is None or the layer is in ``dense_layers``;
     otherwise through :func:`sparrow_jax.attention.sparse.sparse_decode` with ``budget_pages
-    [B]`` (DESIGN 3.2; ``impl`` as there: "auto" takes the Pallas kernels on GPU;
+    [B]`` (docs/design.md, section 3; ``impl`` as there: "auto" takes the Pallas kernels on GPU;
     ``max_budget_pages``: its static gather width, default the table's).
     Rows where ``active [B]`` is False (finished) neither write the cache
     nor grow; their outputs are meaningless. ``head_axis``: as in :func:`prefill`.

@@ -1,21 +1,21 @@
-"""The paged KV cache of DESIGN 3.1 and its pure update functions.
+"""The paged KV cache of docs/design.md, section 2 and its pure update functions.
 
-Layout (head-major, as JAX's Pallas paged attention, one array per layer):
-``k_pages, v_pages``: tuples of ``layers`` arrays ``[kv_heads, num_pages, P, head_dim]`` (the
-``[layers, kv_heads, num_pages, P, head_dim]`` of DESIGN 3.1 with the layer axis as a tuple);
-a sequence's token at position ``pos`` lives in physical page ``page_table[b, pos // P]``, slot
-``pos % P``. ``cache.k_pages[layer]`` is that layer's array, and ``np.asarray(cache.k_pages)``
-the stacked ``[layers, ...]`` view. Why not one stacked array: a kernel (a Pallas custom call)
-handed ``stacked[layer]`` gets a *copy* of the slice, so every decode step would copy the whole
-cache once (measured: ~60 ms a step for a 68 GB cache on the H100, BENCHMARKS.md "Rollout");
-separate buffers go to the kernels as they are and are updated in place.
+Layout (head-major, as JAX's Pallas paged attention, one array per layer): ``k_pages, v_pages``:
+tuples of ``layers`` arrays ``[kv_heads, num_pages, P, head_dim]`` (the ``[layers, kv_heads,
+num_pages, P, head_dim]`` of docs/design.md, section 2, the layer axis as a tuple); a sequence's
+token at position ``pos`` lives in physical page ``page_table[b, pos // P]``, slot ``pos % P``.
+``cache.k_pages[layer]`` is that layer's array, and ``np.asarray(cache.k_pages)`` the stacked
+``[layers, ...]`` view. Why not one stacked array: a kernel (a Pallas custom call) handed
+``stacked[layer]`` gets a *copy* of the slice, so every decode step would copy the whole cache once
+(measured: ~60 ms a step for a 68 GB cache on the H100, BENCHMARKS.md "Rollout"); separate buffers
+go to the kernels as they are and are updated in place.
 
 Page summaries: ``centroids`` (mean of a page's keys) and, for the Quest scorer, elementwise
-``kmin``/``kmax``, per layer like the pages. They are written once, when a page fills; the
-partial page is never scored. Until then each sequence keeps a running sum (float32) / min / max of its partial page in
-``partial_*`` ``[layers, batch, kv_heads, head_dim]``: one partial page per sequence, so there is
-no float32 copy of the pool. Summaries are taken from the keys *as stored* (cast to the cache
-dtype), so they equal a recomputation from the pages.
+``kmin``/``kmax``, per layer like the pages. They are written once, when a page fills; the partial
+page is never scored. Until then each sequence keeps a running sum (float32) / min / max of its
+partial page in ``partial_*`` ``[layers, batch, kv_heads, head_dim]``: one partial page per
+sequence, so there is no float32 copy of the pool. Summaries are taken from the keys *as stored*
+(cast to the cache dtype), so they equal a recomputation from the pages.
 
 Writes that must not happen (inactive rows, padding) are sent to page index ``num_pages`` with
 ``mode="drop"``: one scatter per array, no branches, updated in place under donation.
@@ -118,8 +118,9 @@ def _set(arrays: tuple, layer: int, value: jax.Array) -> tuple:
 def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, pos: jax.Array,
                  write: jax.Array) -> PagedKVCache:
     """Writes one token per row for ``layer``: k, v ``[B, H, D]`` at positions ``pos [B]``
-    where ``write [B]`` (bool) and the position lies inside the page table, and updates the partial-page accumulators; a page's summaries
-    are written when its last slot is. ``lengths`` is the caller's to advance."""
+    where ``write [B]`` (bool) and the position lies inside the page table, and updates the
+    partial-page accumulators; a page's summaries are written when its last slot is.
+    ``lengths`` is the caller's to advance."""
     p, n = cache.page_size, cache.num_pages
     logical = pos // p
     write = write & (logical < cache.max_pages_per_seq)   # past the table: nowhere to write

@@ -1,5 +1,5 @@
 """The rollout engine: dense prefill, then a jitted decode loop on the paged cache that gives each
-sequence the budget the schedule assigns to its current length (DESIGN 3.1, 3.3).
+sequence the budget the schedule assigns to its current length (docs/design.md, sections 2, 4).
 
 Host side, once per batch: size the page pool, allocate every page up front (so the loop never
 allocates), pad the prompts to a bucketed length. Device side: one jitted call prefills the
@@ -60,7 +60,7 @@ class RolloutConfig:
       ``memory_fraction`` of the device's free memory holds; None to size it from
       ``max_total_tokens``, else from the request itself (rounded up to ``pool_multiple`` pages
       so repeated batches of similar size reuse one compilation).
-    dense_layers: layers that always attend densely (DESIGN 3.2).
+    dense_layers: layers that always attend densely (docs/design.md, section 3).
     scorer, impl: of :func:`sparrow_jax.attention.sparse.sparse_decode`.
     cache_dtype: KV cache dtype; None: the model's compute dtype.
     prefill_chunk: prompt tokens per prefill chunk (bounds prefill memory); None: all at once.
@@ -622,7 +622,7 @@ def _run_chunk(graphdef, params, state: _Loop, num_steps: int, *,
         def step(carry):
             i, st = carry
             # The step feeds the last token at position `lengths`; its budget is that of the
-            # sequence with the token included (DESIGN 3.1).
+            # sequence with the token included (docs/design.md, section 2).
             budget = (None if static.schedule is None
                       else static.schedule.budget_pages(st.cache.lengths + 1))
             hidden, cache = decode_step(

@@ -1,8 +1,8 @@
 """Next-token sampling: temperature, top-k, top-p, greedy.
 
-The log-prob a rollout records is always that of the *untruncated* distribution ``softmax(logits
-/ T)`` (DESIGN 3.4): top-p / top-k only change which token is drawn. Training rollouts use
-temperature alone, since truncation would bias the importance ratios.
+The log-prob a rollout records is always that of the *untruncated* distribution
+``softmax(logits / T)`` (docs/design.md, section 5): top-p / top-k only change which token is
+drawn. Training rollouts use temperature alone, since truncation would bias the importance ratios.
 
 Random streams: a rollout draws each row's token from a key that depends on (rollout key, prompt
 id, sample index, response position) only (:func:`stream_keys`, :func:`step_keys`), never on the
@@ -76,7 +76,8 @@ def step_keys(streams: jax.Array, positions: jax.Array) -> jax.Array:
     return jax.vmap(jax.random.fold_in)(streams, jnp.asarray(positions, jnp.int32))
 
 
-def sample(key: jax.Array, logits: jax.Array, params: SamplingParams) -> tuple[jax.Array, jax.Array]:
+def sample(key: jax.Array, logits: jax.Array,
+           params: SamplingParams) -> tuple[jax.Array, jax.Array]:
     """logits ``[B, V]`` -> (token ``[B]`` int32, its untruncated log-prob ``[B]`` float32)."""
     return sample_from_logprobs(key, scaled_log_softmax(logits, params.temperature), params)
 
