@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The test suite on a GPU machine (the device image: JAX with CUDA, no venv): every test but the
 # `hf` ones (slow included), in parts that each finish within 10 minutes there.
-#   bash scripts/test_gpu.sh PART      PART: kernels | models | rl | all
+#   bash scripts/test_gpu.sh PART      PART: kernels | models | train | rest | tpu | all
+# (tpu: the TPU kernels in interpret mode and their exports, which run on the host's CPU)
 # Wheels the image lacks come from .whl/ (scripts/gpu_wheels.sh fetches them; carry .whl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -22,16 +23,22 @@ assert jax.default_backend() == "gpu", "no GPU: this script is for the GPU machi
 bad = {p: v for p, v in have.items() if v != pins[p]}
 assert not bad, f"versions differ from the pins {pins}: {bad} (carry .whl)"
 PY
-# Each part's files: the GPU kernels; the model, cache, rollout and CLI; training and the rest.
+# Each part's files: the GPU kernels; the model, cache, rollout and CLI; training; the TPU kernels;
+# the rest.
 kernels="tests/test_sparse_kernel.py tests/test_sparse_decode.py tests/test_selection.py"
 models="tests/test_engine.py tests/test_engine_buckets.py tests/test_engine_topk.py
   tests/test_decode.py tests/test_paged_cache.py tests/test_model.py tests/test_lm_head.py
   tests/test_teacher_forced.py tests/test_hf_parity.py tests/test_hf_io.py tests/test_cli.py"
+train=$(ls tests/test_{trainer,safe_runs,update,grpo_loss,checkpoint,sharding,distill,demo}*.py \
+  tests/test_multiprocess*.py 2>/dev/null || true)
+tpu=$(ls tests/test_*tpu*.py)
 case $part in
   kernels) files=$kernels ;;
   models) files=$models ;;
-  rl) files=$(ls tests/test_*.py | grep -v -x -F -f <(printf '%s\n' $kernels $models)) ;;
+  train) files=$train ;;
+  tpu) files=$tpu ;;
+  rest) files=$(ls tests/test_*.py | grep -v -x -F -f <(printf '%s\n' $kernels $models $train $tpu)) ;;
   all) files="" ;;
-  *) echo "unknown part $part: kernels, models, rl or all" >&2; exit 2 ;;
+  *) echo "unknown part $part: kernels, models, train, rest, tpu or all" >&2; exit 2 ;;
 esac
 exec python3 -m pytest -q -m "not hf" -p no:cacheprovider $files
