@@ -317,7 +317,7 @@ def plot(result: dict, alphas: dict[str, dict[str, np.ndarray]], mask, out_dir: 
                title_fontsize=8)
     fig.suptitle(f"tail acceptance rate per {result['config']['bin_tokens']}-token bin, "
                  f"page {result['config']['page_size']}", fontsize=10)
-    fig.tight_layout(rect=(0, 0, 0.92, 1))
+    fig.tight_layout(rect=(0, 0, 0.85, 1))
     paths.append(out_dir / "alpha_tail.png")
     fig.savefig(paths[-1], dpi=80)
     plt.close(fig)
