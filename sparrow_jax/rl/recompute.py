@@ -4,6 +4,9 @@ Every pass here runs the dense forward with LoRA off (the dense policy never dep
 sparse actor's adapter) and the LM head in chunks over response positions only, so nothing of
 shape ``[batch, seq, vocab]`` is ever built.
 
+On a device mesh (the model placed by :func:`sparrow_jax.sharding.shard_model`) each micro-batch's
+rows are split over ``data x fsdp`` and the result comes back replicated.
+
 Rows are packed into micro-batches of similar length (:func:`plan_micro_batches`) and trimmed
 to a multiple of ``length_multiple`` tokens, so padding stays small and the number of distinct
 compiled shapes stays bounded.
@@ -19,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparrow_jax import sharding
 from sparrow_jax.rollout.types import Rollout
 
 
@@ -31,9 +35,15 @@ def response_hidden(model, tokens: jax.Array, prompt_lengths: jax.Array,
     hidden state at position ``prompt_lengths[b] + j - 1``, which predicts response token j.
     """
     hidden, _ = model.forward(tokens, lora=False)
-    t = tokens.shape[1]
+    return response_rows(hidden, prompt_lengths, response_capacity)
+
+
+def response_rows(hidden: jax.Array, prompt_lengths: jax.Array,
+                  response_capacity: int) -> jax.Array:
+    """hidden ``[B, T, d]`` -> ``[B, R, d]``: slot j holds position ``prompt_lengths + j - 1``,
+    the query that produced response token j (clamped garbage past the end)."""
     pos = prompt_lengths[:, None] + jnp.arange(response_capacity)[None, :] - 1
-    pos = jnp.clip(pos, 0, t - 1)
+    pos = jnp.clip(pos, 0, hidden.shape[1] - 1)
     return jnp.take_along_axis(hidden, pos[:, :, None], axis=1)
 
 
@@ -100,8 +110,9 @@ def _dense_stats_jit(graphdef, state, tokens, prompt_lengths, actor_topk_ids, *,
     model = nnx.merge(graphdef, state)
     h = response_hidden(model, tokens, prompt_lengths, response_capacity)
     ids = response_tokens(tokens, prompt_lengths, response_capacity)
-    return stats_from_hidden(h, model.head_weight(), ids, actor_topk_ids, temperature, top_k,
-                             chunk_size)
+    # Under a mesh every process reads the whole result on the host: replicated.
+    return sharding.constrain_replicated(stats_from_hidden(
+        h, model.head_weight(), ids, actor_topk_ids, temperature, top_k, chunk_size))
 
 
 # --------------------------------------------------------------------------- micro-batches
@@ -199,15 +210,24 @@ def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray |
     s, r = host.logprobs.shape
     stats = empty_stats(s, r, host.topk_ids.shape[2], top_k)
     graphdef, state = nnx.split(model)
+    mesh = sharding.mesh_of(state)
+
+    def put(x):
+        """Rows over ``data x fsdp`` when the model lies on a mesh (every process passes the
+        whole micro-batch; each places its own devices' rows)."""
+        return jnp.asarray(x) if mesh is None else jax.device_put(
+            x, sharding.batch_sharding(mesh, x.shape))
+
     rows = np.arange(s) if rows is None else np.asarray(rows)
     for micro in plan_micro_batches(rows, host.total_lengths, micro_batch_size):
         t_len, r_len = micro_shapes(host, micro, length_multiple)
         mb = gather_rows(micro, micro_batch_size,
                          {"tokens": host.tokens, "prompt_lengths": host.prompt_lengths,
                           "topk_ids": host.topk_ids}, t_len, r_len)
-        out = _dense_stats_jit(graphdef, state, jnp.asarray(mb["tokens"]),
-                               jnp.asarray(mb["prompt_lengths"]), jnp.asarray(mb["topk_ids"]),
-                               response_capacity=r_len, temperature=float(temperature),
-                               top_k=top_k, chunk_size=chunk_size)
+        with sharding.use_mesh(mesh):
+            out = _dense_stats_jit(graphdef, state, put(mb["tokens"]), put(mb["prompt_lengths"]),
+                                   put(mb["topk_ids"]), response_capacity=r_len,
+                                   temperature=float(temperature), top_k=top_k,
+                                   chunk_size=chunk_size)
         fill_rows(stats, micro, out, host.response_lengths)
     return stats
