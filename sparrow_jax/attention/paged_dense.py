@@ -7,20 +7,26 @@ Two implementations with one contract (float32 softmax, scale ``head_dim**-0.5``
   default and the reference.
 * ``"pallas"``: JAX's Pallas GPU paged attention (``jax.experimental.pallas.ops.gpu``), which
   reads only the pages below each row's length.
+* ``"pallas_tpu"``: JAX's Pallas TPU paged attention, wrapped in
+  :mod:`pallas_kernels.paged_dense_tpu` (head_dim a multiple of 128, whole sublane tiles per
+  page); off TPU it runs in TPU interpret mode (tests).
 
 ``"auto"`` picks :data:`GPU_DEFAULT` on GPU for half-precision caches (the faster in
 scripts/bench_paged_dense.py: 1.3-2.5x faster than the XLA gather on the H100, see
-BENCHMARKS.md) and ``"xla"`` elsewhere: float32 stays on XLA, since Triton's dots may round
-float32 inputs to TF32. This module needs only jax (the benchmark runs it on a
-machine without flax).
+BENCHMARKS.md), ``"pallas_tpu"`` on TPU for half-precision caches whose shapes it takes, and
+``"xla"`` elsewhere: float32 stays on XLA, since Triton's dots may round float32 inputs to TF32
+and the TPU kernel's to bfloat16. Off GPU the TPU choice is made when lowering
+(``lax.platform_dependent``), so a step exported for TPU from a CPU host holds the TPU kernel.
+This module needs only jax (the benchmark runs it on a machine without flax).
 """
 
 from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from jax import lax
 
-IMPLS = ("auto", "xla", "pallas")
+IMPLS = ("auto", "xla", "pallas", "pallas_tpu")
 # Measured on the H100 (BENCHMARKS.md, "Dense paged decode").
 GPU_DEFAULT = "pallas"
 # Finite, so a row with no valid key (length 0, a padding row) averages instead of giving NaN.
@@ -116,12 +122,47 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """Dense decode attention over the paged cache: q ``[B, Hq, D]``, k/v_pages ``[H, N, P,
     D]``, page_table ``[B, M]`` int32, lengths ``[B]`` int32 (current token included) ->
     ``[B, Hq, D]``."""
+    _check(q, k_pages, v_pages, page_table, lengths)
+    args = (q, k_pages, v_pages, page_table, lengths)
+    head_dim, page_size, dtype = q.shape[-1], k_pages.shape[2], k_pages.dtype
+    chosen = resolve_impl(impl, head_dim, page_size, dtype)
+    if chosen == "pallas":
+        return paged_attention_pallas(*args)
+    if chosen == "pallas_tpu":
+        return _tpu(*args, interpret=jax.default_backend() != "tpu")
+    if impl == "auto" and jax.default_backend() != "gpu" and resolve_impl(
+            impl, head_dim, page_size, dtype, platform="tpu") == "pallas_tpu":
+        # Decided when lowering, per platform: lowered for CPU only the XLA path is compiled.
+        return lax.platform_dependent(*args, tpu=_tpu, default=paged_attention_xla)
+    return paged_attention_xla(*args)
+
+
+def _tpu(*args, interpret=False):
+    from pallas_kernels.paged_dense_tpu import paged_attention_tpu
+
+    return paged_attention_tpu(*args, interpret=interpret)
+
+
+def resolve_impl(impl: str, head_dim: int, page_size: int, dtype,
+                 platform: str | None = None) -> str:
+    """The implementation ``paged_attention(impl=...)`` runs on ``platform`` (default
+    ``jax.default_backend()``): ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``.
+
+    ``"auto"``: the platform's kernel for half-precision caches whose shapes it takes, else
+    ``"xla"``. A named ``"pallas_tpu"`` that cannot take the shapes raises ValueError."""
     if impl not in IMPLS:
         raise ValueError(f"unknown dense paged attention impl {impl!r}; known: {IMPLS}")
-    _check(q, k_pages, v_pages, page_table, lengths)
+    from pallas_kernels.paged_dense_tpu import kernel_limits
+
+    why = kernel_limits(head_dim, page_size, dtype)
     if impl == "auto":
-        half = k_pages.dtype in (jnp.bfloat16, jnp.float16)
-        impl = GPU_DEFAULT if jax.default_backend() == "gpu" and half else "xla"
-    if impl == "pallas":
-        return paged_attention_pallas(q, k_pages, v_pages, page_table, lengths)
-    return paged_attention_xla(q, k_pages, v_pages, page_table, lengths)
+        platform = platform or jax.default_backend()
+        if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
+            return "xla"
+        if platform == "gpu":
+            return GPU_DEFAULT
+        return "pallas_tpu" if platform == "tpu" and why is None else "xla"
+    if impl == "pallas_tpu" and why is not None:
+        raise ValueError(f"paged_attention(impl='pallas_tpu'): {why}; use impl='xla' (or "
+                         "'auto', which falls back to it)")
+    return impl
