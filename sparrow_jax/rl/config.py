@@ -8,6 +8,7 @@ Example (``configs/*.yaml``)::
     data: {task: needle, prompts_per_step: 8}
     rollout: {samples_per_prompt: 8, max_new_tokens: 8, temperature: 1.0}
     optim: {learning_rate: 1.0e-4}
+    mesh: {data: 1, fsdp: -1, tensor: 1}   # optional: every device, parameters split (FSDP)
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from sparrow_jax.config import ConfigError, from_dict, unknown_name
 from sparrow_jax.data import DataConfig
 from sparrow_jax.rl.losses import LossConfig
 from sparrow_jax.rollout.engine import RolloutConfig
+from sparrow_jax.sharding import MeshConfig
 
 DTYPES = ("auto", "float32", "bfloat16")
 
@@ -203,6 +205,9 @@ class TrainConfig:
     eval_samples: int = 4                       # k of mean@k
     tensorboard: bool = True
     progress: bool = True
+    # Device mesh (data, fsdp, tensor; docs/design.md, section 10). None: one device, or with
+    # several processes the default MeshConfig() over all of their devices.
+    mesh: MeshConfig | None = None
 
     def __post_init__(self):
         from sparrow_jax.rl.rewards import reward_names

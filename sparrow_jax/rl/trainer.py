@@ -10,14 +10,28 @@ the evaluation cadence changes no training result).
 A run folder holds one run (:mod:`sparrow_jax.rl.run_dir`); SIGINT and SIGTERM stop at the next
 safe point with a checkpoint (:mod:`sparrow_jax.rl.interrupt`).
 
-The rollout is a function ``rollout_fn(model, prompts, key, n) -> Rollout`` (the n samples of a
-prompt in adjacent rows); by default it is :func:`sparrow_jax.rollout.engine.generate` with the
-config's sampling settings and budget schedule.
+The rollout is a function ``rollout_fn(model, prompts, key, n, **extra) -> Rollout`` (the n
+samples of a prompt in adjacent rows); by default it is
+:func:`sparrow_jax.rollout.engine.generate` with the config's sampling settings and budget
+schedule. ``extra`` is empty on one device; on a mesh it holds ``mesh`` (the devices to sample
+on), and with several processes ``prompt_ids`` (the prompts' indices in the step's batch, which
+fix their random streams).
+
+Scale-out (docs/design.md, section 10): with ``config.mesh`` the policy is loaded sharded, the
+optimizer state built in its layout, and the rollout, recompute and update run on the mesh.
+With several processes (:mod:`sparrow_jax.distributed`) every process draws the same batch of
+prompts, samples and scores its contiguous share of them on its own devices, and the rows are
+gathered in process order, so each process holds the whole batch and the recompute and update
+run as one program over the global mesh. The result equals one process's: the batch, the
+streams (global prompt ids) and the row order do not depend on the split. Only process 0
+writes the run folder's logs, metrics and config; every process writes its checkpoint shards.
+A stop signal is agreed on at the step's safe points, so all processes stop at the same step.
 """
 
 from __future__ import annotations
 
 import contextlib
+import signal
 import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -27,6 +41,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparrow_jax import distributed, sharding
 from sparrow_jax.config import ConfigError, to_dict
 from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
 from sparrow_jax.rl.advantages import group_advantages
@@ -42,8 +57,9 @@ RolloutFn = Callable[[Any, list[list[int]], jax.Array, int], Rollout]
 
 
 # ------------------------------------------------------------------------------ building blocks
-def load_policy(spec: ModelSpec):
-    """-> (model with float32 master weights, ModelConfig)."""
+def load_policy(spec: ModelSpec, mesh: jax.sharding.Mesh | None = None):
+    """-> (model with float32 master weights, ModelConfig); laid out on ``mesh`` by the
+    partition rules when given (an HF folder read straight into that layout)."""
     name = spec.dtype
     if name == "auto":
         name = "float32" if jax.default_backend() == "cpu" else "bfloat16"
@@ -51,13 +67,21 @@ def load_policy(spec: ModelSpec):
     if spec.path is not None:
         from sparrow_jax.models.hf_io import load_qwen3
 
-        return load_qwen3(spec.path, dtype=dtype, param_dtype=jnp.float32)
+        if mesh is None:
+            return load_qwen3(spec.path, dtype=dtype, param_dtype=jnp.float32)
+        return load_qwen3(spec.path, dtype=dtype, param_dtype=jnp.float32, mesh=mesh)
     from sparrow_jax.config import ModelConfig
     from sparrow_jax.models.qwen3 import init_model
 
     cfg = (ModelConfig.preset(spec.preset) if spec.preset is not None
            else ModelConfig.from_hf_dict(spec.hf_config))
-    return init_model(cfg, seed=spec.seed, dtype=dtype), cfg
+    model = init_model(cfg, seed=spec.seed, dtype=dtype)
+    if mesh is not None:
+        # Host copies first: every process holds the same values, and only host arrays may
+        # be placed onto devices of other processes.
+        nnx.update(model, jax.tree.map(np.asarray, nnx.state(model)))
+        sharding.shard_model(model, mesh)
+    return model, cfg
 
 
 def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
@@ -65,9 +89,9 @@ def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
     (:meth:`RolloutSettings.rollout_config`)."""
     from sparrow_jax.rollout.engine import generate
 
-    def rollout_fn(model, prompts, key, n):
+    def rollout_fn(model, prompts, key, n, **extra):
         cfg = config.rollout.rollout_config(n, model.config.eos_token_ids)
-        return generate(model, prompts, cfg, key, schedule=schedule)
+        return generate(model, prompts, cfg, key, schedule=schedule, **extra)
 
     return rollout_fn
 
@@ -125,6 +149,29 @@ def mismatch_metrics(rollout: Rollout, dense: DenseStats, bin_tokens: int, num_b
     return out
 
 
+def gather_rollout(local: Rollout, num_prompts: int, n: int) -> Rollout:
+    """Every process's rollout of its share of the prompts -> the whole step's rollout as host
+    arrays, rows in process order (one process: ``local`` as it is). Token rows are padded to
+    the widest process's; past each row's prompt and response nothing is read."""
+    if jax.process_count() == 1:
+        return local
+    width = distributed.max_over_processes(local.tokens.shape[1])
+    fields = {}
+    for name in Rollout._fields:
+        x = np.asarray(getattr(local, name))
+        if name == "tokens":
+            x = np.pad(x, [(0, 0), (0, width - x.shape[1])])
+        fields[name] = distributed.allgather_rows(x)
+    fields["prompt_index"] = np.repeat(np.arange(num_prompts, dtype=np.int32), n)
+    return Rollout(**fields)
+
+
+def process_share(num_prompts: int) -> slice:
+    """This process's contiguous share of a step's prompts."""
+    k = num_prompts // jax.process_count()
+    return slice(jax.process_index() * k, (jax.process_index() + 1) * k)
+
+
 class TrainResult(NamedTuple):
     model: Any
     history: list[dict[str, float]]
@@ -134,7 +181,12 @@ class TrainResult(NamedTuple):
 class Trainer:
     def __init__(self, config: TrainConfig, rollout_fn: RolloutFn | None = None):
         self.config = config
-        self.model, self.model_config = load_policy(config.model)
+        self.processes = jax.process_count()
+        if config.data.prompts_per_step % self.processes:
+            raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} does not "
+                              f"split over {self.processes} processes")
+        self.mesh = _mesh(config, self.processes)
+        self.model, self.model_config = load_policy(config.model, self.mesh)
         self.schedule = config.budget_schedule
         self.rollout_fn = rollout_fn or engine_rollout_fn(config, self.schedule)
         self.reward_fn = get_reward(config.reward)
@@ -162,8 +214,14 @@ class Trainer:
 
     # -- checkpoints -------------------------------------------------------------------------
     def _arrays(self):
+        key = jax.random.key_data(self.key)
+        if self.mesh is not None:
+            # Every process holds the same key; on the mesh it is one (replicated) global array
+            # that orbax writes once and restores onto any mesh.
+            key = jax.device_put(np.asarray(key), jax.sharding.NamedSharding(
+                self.mesh, jax.sharding.PartitionSpec()))
         return {"params": nnx.state(self.model, nnx.Param), "opt_state": self.opt_state,
-                "key": jax.random.key_data(self.key)}
+                "key": key}
 
     def save(self) -> None:
         record = {"step": self.step, "data": self.iterator.state_dict(),
@@ -178,11 +236,62 @@ class Trainer:
         arrays, record = self.checkpointer.restore(step, self._arrays())
         nnx.update(self.model, arrays["params"])
         self.opt_state = arrays["opt_state"]
-        self.key = jax.random.wrap_key_data(arrays["key"])
+        key = arrays["key"]
+        if self.mesh is not None:
+            key = jnp.asarray(np.asarray(key.addressable_data(0)))
+        self.key = jax.random.wrap_key_data(key)
         self.iterator.load_state_dict(record["data"])
         if record["schedule"] is not None:
             self.schedule = build_schedule(record["schedule"])
         self.step = int(record["step"])
+
+    # -- rollouts and stops on several processes -----------------------------------------------
+    def _rollout(self, prompts, key, n, prompt_ids=None) -> Rollout:
+        """``rollout_fn`` on this process's devices: the whole mesh with one process; with
+        several, a copy of the weights on the local devices (each process samples its own
+        prompts, ``prompt_ids`` fixing their streams)."""
+        if self.mesh is None:
+            return self.rollout_fn(self.model, prompts, key, n)
+        if self.processes == 1:
+            return self.rollout_fn(self.model, prompts, key, n, mesh=self.mesh)
+        model, mesh = self._local_policy()
+        extra = {"prompt_ids": prompt_ids} if prompt_ids is not None else {}
+        if mesh is not None:
+            extra["mesh"] = mesh
+        return self.rollout_fn(model, prompts, key, n, **extra)
+
+    def _local_policy(self):
+        """-> (the policy with whole weights on this process's first device, a mesh of its
+        local devices or None when it has one)."""
+        graphdef, state = nnx.split(self.model)
+        whole = jax.jit(lambda s: s, out_shardings=jax.sharding.NamedSharding(
+            self.mesh, jax.sharding.PartitionSpec()))(state)
+        local = jax.tree.map(lambda x: x.addressable_data(0), whole)
+        devices = jax.local_devices()
+        mesh = None
+        if len(devices) > 1:
+            tensor = self.mesh.shape["tensor"]
+            mesh = sharding.make_mesh(sharding.MeshConfig(
+                data=1, fsdp=-1, tensor=tensor if len(devices) % tensor == 0 else 1), devices)
+        return nnx.merge(graphdef, local), mesh
+
+    def _abandonable(self):
+        """Signals abandon the phase at once with one process; with several, a process must
+        not leave the others waiting in a collective, so the stop is agreed on at the phase's
+        end (:meth:`_agreed_stop`)."""
+        return self.stop.abandonable() if self.processes == 1 else contextlib.nullcontext()
+
+    def _agreed_stop(self) -> bool:
+        """Whether any process has a stop signal (the same answer on all; a collective with
+        several processes). A process that got none adopts SIGTERM, so that all save and stop
+        alike."""
+        if self.processes == 1:
+            return self.stop.signum is not None
+        if distributed.any_process(self.stop.signum is not None):
+            if self.stop.signum is None:
+                self.stop.signum = signal.SIGTERM
+            return True
+        return False
 
     # -- one step ----------------------------------------------------------------------------
     def train_step(self) -> dict[str, float]:
@@ -191,15 +300,24 @@ class Trainer:
         cfg = self.config
         n, temperature = cfg.rollout.samples_per_prompt, cfg.rollout.temperature
         timer = _Timer()
-        with self.stop.abandonable():
+        with self._abandonable():
             prompts, answers = self.iterator.next_batch(self.train_set)
             self.key, k_roll, k_update = jax.random.split(self.key, 3)
+            share = process_share(len(prompts)) if self.processes > 1 else slice(None)
+            mine = np.arange(len(prompts))[share]
             with timer("rollout"):
-                rollout = jax.block_until_ready(self.rollout_fn(self.model, prompts, k_roll, n))
-            check_rollout(rollout, len(prompts), n)
-            rewards = score_batch(self.reward_fn, [p for p in prompts for _ in range(n)],
-                                  responses_of(rollout), [a for a in answers for _ in range(n)],
+                rollout = jax.block_until_ready(self._rollout(
+                    prompts[share], k_roll, n, prompt_ids=mine if self.processes > 1 else None))
+            check_rollout(rollout, len(mine), n)
+            rewards = score_batch(self.reward_fn, [p for p in prompts[share] for _ in range(n)],
+                                  responses_of(rollout),
+                                  [a for a in answers[share] for _ in range(n)],
                                   **self.reward_context)
+            if self.processes > 1:
+                if self._agreed_stop():
+                    raise StepAbandoned()
+                rollout = gather_rollout(rollout, len(prompts), n)
+                rewards = distributed.allgather_rows(np.asarray(rewards, np.float64))
             advantages = np.asarray(group_advantages(np.asarray(rewards), n))
 
             u = cfg.update
@@ -233,7 +351,7 @@ class Trainer:
         def sample_fn(prompts, k_):
             nonlocal key
             key, sub = jax.random.split(key)
-            return responses_of(self.rollout_fn(self.model, prompts, sub, k_))
+            return responses_of(self._rollout(prompts, sub, k_))
 
         def reward(p, r, a):
             return self.reward_fn(p, r, a, **self.reward_context)
@@ -250,28 +368,30 @@ class Trainer:
             self.restore()
         from sparrow_jax.metrics import MetricsWriter
 
+        primary = distributed.is_primary()
         writer = MetricsWriter(cfg.run_dir, tensorboard=cfg.tensorboard,
-                               resume_from=self.step if resume else None)
+                               resume_from=self.step if resume else None) if primary else None
         history = []
         bar = None
-        if cfg.progress:
+        if cfg.progress and primary:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="grpo", unit="step")
         try:
             with self.stop:
-                while self.step < cfg.steps and self.stop.signum is None:
+                while self.step < cfg.steps and not self._agreed_stop():
                     metrics = self._step_or_abandon()
                     if metrics is None:
                         break
                     step = self.step - 1
                     if cfg.eval_every and self.step % cfg.eval_every == 0:
                         try:
-                            with self.stop.abandonable():
+                            with self._abandonable():
                                 metrics.update(self.evaluate(step))
                         except StepAbandoned:
                             pass
-                    writer.write(step, metrics)
+                    if writer is not None:
+                        writer.write(step, metrics)
                     history.append({"step": step, **metrics})
                     if bar is not None:
                         bar.update(1)
@@ -279,7 +399,7 @@ class Trainer:
                                         alpha=f"{metrics['alpha_paper_mean']:.3f}")
                     if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                         self.save()
-                if self.stop.signum is not None:
+                if self._agreed_stop():
                     if self.checkpointer.latest_step() != self.step:
                         self.save()
                     raise TrainingInterrupted(self.stop.signum, self.step,
@@ -287,7 +407,8 @@ class Trainer:
         finally:
             if bar is not None:
                 bar.close()
-            writer.close()
+            if writer is not None:
+                writer.close()
         return TrainResult(self.model, history)
 
     def _step_or_abandon(self) -> dict[str, float] | None:
@@ -299,6 +420,20 @@ class Trainer:
             self.key = key
             self.iterator.load_state_dict(data)
             return None
+
+
+def _mesh(config: TrainConfig, processes: int) -> jax.sharding.Mesh | None:
+    """The run's mesh: ``config.mesh`` over every device of every process; None (one device) when
+    it is unset and one process runs."""
+    spec = config.mesh
+    if spec is None and processes > 1:
+        spec = sharding.MeshConfig()
+    if spec is None:
+        return None
+    try:
+        return sharding.make_mesh(spec)
+    except ValueError as e:
+        raise ConfigError(f"mesh: {e}") from None
 
 
 _EVAL_STREAM = 0x65766131  # folded into the seed's key: evaluation's own random stream
@@ -346,11 +481,34 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     return Trainer(config, rollout_fn).run(resume=resume)
 
 
+def _prepare_run_once(config: TrainConfig, resume: bool, overwrite: bool) -> None:
+    """:func:`prepare_run`'s work. A resume only reads, so every process checks (orbax's reads
+    are collectives); a fresh run's folder is readied by process 0 alone, and the others learn
+    whether it refused."""
+    if jax.process_count() == 1 or resume:
+        return _prepare(config, resume, overwrite)
+    error = None
+    if distributed.is_primary():
+        try:
+            _prepare(config, resume, overwrite)
+        except (ConfigError, RunDirError) as e:
+            error = e
+    if distributed.any_process(error is not None):
+        raise error or RunDirError(f"process 0 refused the run folder {config.run_dir} (its "
+                                   "message says why)")
+
+
 def prepare_run(config: TrainConfig, *, resume: bool = False, overwrite: bool = False) -> None:
     """Readies ``config.run_dir`` before the model loads. A fresh run refuses a folder that
     holds another run unless ``overwrite`` (which deletes that run's files) and writes the
     folder's ``config.yaml``; ``resume`` refuses when the latest checkpoint's config differs in
-    what changes the results (:mod:`sparrow_jax.rl.run_dir`)."""
+    what changes the results (:mod:`sparrow_jax.rl.run_dir`). With several processes
+    (connected here, :func:`sparrow_jax.distributed.initialize`) process 0 does this alone."""
+    distributed.initialize()
+    _prepare_run_once(config, resume, overwrite)
+
+
+def _prepare(config: TrainConfig, resume: bool, overwrite: bool) -> None:
     import yaml
 
     run_dir = Path(config.run_dir)
