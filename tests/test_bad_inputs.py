@@ -166,8 +166,10 @@ def test_help_lists_only_working_subcommands(capsys):
     assert "not built yet: `calibrate`" in out
 
 
-@pytest.mark.parametrize("command", ["generate", "train"])
-def test_long_running_subcommands_take_no_progress(capsys, command):
+@pytest.mark.parametrize("command, config_help", [("generate", "file of option values"),
+                                                  ("train", "TrainConfig")])
+def test_long_running_subcommands_take_no_progress(capsys, command, config_help):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
-    assert e.value.code == 0 and "--no-progress" in capsys.readouterr().out
+    out = " ".join(capsys.readouterr().out.split())
+    assert e.value.code == 0 and "--no-progress" in out and config_help in out
