@@ -4,16 +4,19 @@ reference; a few adapter steps raise the actor's acceptance rate against the den
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
+from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
 from sparrow_jax.config import ConfigError, ModelConfig
 from sparrow_jax.mismatch import acceptance_rate
 from sparrow_jax.models.lora import LoRAConfig, LoRAParam, attach_lora
-from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.models.qwen3 import init_model, logits_from_hidden
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.distill import (DistillBatch, DistillConfig, DistillUpdater, SparseRule,
                                     distill_loss, position_budgets, student_logprobs)
@@ -24,10 +27,11 @@ from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=3,
+CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 RULE = SparseRule(page_size=P, scorer="centroid", dense_layers=(0,), query_chunk=16)
-UCFG = UpdateConfig(micro_batch_size=4, length_multiple=8, remat=False)
+# One compiled shape per pass: every micro-batch pads to 64 tokens.
+UCFG = UpdateConfig(micro_batch_size=4, length_multiple=64, remat=False)
 TEMP = 1.0
 ROWS = 8
 
@@ -47,8 +51,8 @@ def _model(lora_noise: float = 0.0):
 
 def _rollout(model):
     rng = np.random.default_rng(0)
-    prompts = [rng.integers(0, 64, n).tolist() for n in (13, 20, 9, 17)]
-    cfg = RolloutConfig(n=2, max_new_tokens=40, page_size=P, dense_layers=RULE.dense_layers,
+    prompts = [rng.integers(0, 64, n).tolist() for n in (13, 24, 9, 19)]
+    cfg = RolloutConfig(n=2, max_new_tokens=32, page_size=P, dense_layers=RULE.dense_layers,
                         logprob_top_k=4, prompt_multiple=8, pool_multiple=8)
     return generate(model, prompts, cfg, jax.random.key(2),
                     schedule=BudgetSchedule.fixed(3, page_size=P), lora=True)
@@ -76,7 +80,7 @@ def test_student_matches_rollout(noisy):
     got = _student(model, ro)
     np.testing.assert_allclose(got[mask], np.asarray(ro.logprobs)[mask], atol=2e-5)
     # Neither the dense policy nor the sparse actor without its adapter is that function.
-    dense = recompute(model, ro, TEMP, top_k=4, length_multiple=8).logprobs
+    dense = recompute(model, ro, TEMP, top_k=4, length_multiple=64).logprobs
     assert np.abs(dense - np.asarray(ro.logprobs))[mask].mean() > 0.1
     plain = _student(init_model(CFG, seed=0), ro)   # no adapter at all
     assert np.abs(plain - got)[mask].mean() > 0.1
@@ -100,7 +104,7 @@ def test_dense_outputs_ignore_lora(noisy):
     tokens = jnp.asarray(ro.tokens)
     np.testing.assert_array_equal(np.asarray(model(tokens)), np.asarray(plain(tokens)))
     assert not np.allclose(np.asarray(model(tokens, lora=True)), np.asarray(plain(tokens)))
-    stats = [recompute(m, ro, TEMP, top_k=4, length_multiple=8) for m in (model, plain)]
+    stats = [recompute(m, ro, TEMP, top_k=4, length_multiple=64) for m in (model, plain)]
     for a, b in zip(*stats):
         np.testing.assert_array_equal(a, b)
     batch = UpdateBatch(np.asarray(ro.tokens), np.asarray(ro.prompt_lengths),
@@ -157,50 +161,49 @@ def test_loss_matches_float64_reference():
     np.testing.assert_allclose(grad, num, rtol=1e-4, atol=1e-6)
 
 
+@functools.partial(jax.jit, static_argnums=(0,))
+def _alpha(graphdef, state, tokens, prompt_lengths, budget_pages):
+    """Exact acceptance rate ``[S, R]`` of the LoRA actor (teacher-forced) vs the dense
+    policy."""
+    model = nnx.merge(graphdef, state)
+    r = budget_pages.shape[1]
+    attend = make_teacher_forced_attend(page_size=P, dense_layers=RULE.dense_layers,
+                                        chunk_size=RULE.query_chunk)
+    budgets = TeacherForcedBudgets(position_budgets(budget_pages, prompt_lengths,
+                                                    tokens.shape[1], P), prompt_lengths)
+    hq, _ = model.forward(tokens, attend=attend, state=budgets, lora=True)
+    hp, _ = model.forward(tokens)
+    w = model.head_weight()
+    return acceptance_rate(logits_from_hidden(response_rows(hp, prompt_lengths, r), w),
+                           logits_from_hidden(response_rows(hq, prompt_lengths, r), w), TEMP)
+
+
 def _mean_alpha(model, ro) -> float:
-    """Mean exact acceptance rate of the LoRA actor (teacher-forced) vs the dense policy."""
-    graphdef, state = nnx.split(model)
-
-    @jax.jit
-    def alpha(state):
-        m = nnx.merge(graphdef, state)
-        r = ro.budget_pages.shape[1]
-        from sparrow_jax.attention.teacher_forced import (TeacherForcedBudgets,
-                                                           make_teacher_forced_attend)
-        attend = make_teacher_forced_attend(page_size=P, dense_layers=RULE.dense_layers,
-                                            chunk_size=RULE.query_chunk)
-        bud = TeacherForcedBudgets(position_budgets(ro.budget_pages, ro.prompt_lengths,
-                                                    ro.tokens.shape[1], P), ro.prompt_lengths)
-        hq, _ = m.forward(ro.tokens, attend=attend, state=bud, lora=True)
-        hp, _ = m.forward(ro.tokens)
-        w = m.head_weight()
-        return acceptance_rate(response_rows(hp, ro.prompt_lengths, r) @ w.T,
-                               response_rows(hq, ro.prompt_lengths, r) @ w.T, TEMP)
-
-    return float(np.asarray(alpha(state))[np.asarray(ro.response_mask)].mean())
+    alpha = _alpha(*nnx.split(model), ro.tokens, ro.prompt_lengths, ro.budget_pages)
+    return float(np.asarray(alpha)[np.asarray(ro.response_mask)].mean())
 
 
-def test_distill_steps_raise_acceptance_rate():
-    """A fresh adapter (B = 0: the actor is the sparse model itself), four adapter steps on its
-    own rollouts: the actor's mean acceptance rate against the dense policy rises. Advantages 0
-    and a large lambda_kl isolate the pull toward the dense policy."""
-    model = _model()
-    ro = _rollout(model)
-    dense = recompute(model, ro, TEMP, top_k=4, length_multiple=8).logprobs
+def test_distill_steps_raise_acceptance_rate(noisy):
+    """Three adapter steps on the actor's own rollouts (the fixture's; a second generate would
+    cost a compile) raise its mean acceptance rate against the dense policy on them.
+    Advantages 0 and a large lambda_kl isolate the pull toward the dense policy."""
+    model = _model(lora_noise=0.05)
+    ro = noisy[1]
+    dense = recompute(model, ro, TEMP, top_k=4, length_multiple=64).logprobs
     batch = DistillBatch.of(ro, dense, np.zeros(ROWS, np.float32))
     up = DistillUpdater(DistillConfig(rank=4, lambda_kl=1.0, lr_multiple=5.0), UCFG,
-                        OptimConfig(learning_rate=4e-4, max_grad_norm=None), RULE)
+                        OptimConfig(learning_rate=1e-4, max_grad_norm=None), RULE)
     before = split_model(model)[1]
     opt_state = up.init(model)
     alpha0 = _mean_alpha(model, ro)
     history = []
-    for step in range(4):
+    for step in range(3):
         opt_state, metrics = up.update(model, opt_state, batch, [[np.arange(ROWS)]], TEMP, step)
         history.append(metrics)
     alpha1 = _mean_alpha(model, ro)
     assert history[0]["distill_logp_gap"] < 2e-5          # the student starts at the rollout
     assert history[-1]["distill_k3"] < history[0]["distill_k3"]
-    assert alpha1 > alpha0 + 0.02, (alpha0, alpha1)
+    assert alpha1 > alpha0 + 0.03, (alpha0, alpha1)        # seeded: 0.40 -> 0.46
     jax.tree.map(np.testing.assert_array_equal, before, split_model(model)[1])  # dense frozen
 
 
