@@ -9,6 +9,7 @@ a model for activations, which depend on what the compiler keeps alive.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import jax
@@ -42,19 +43,25 @@ class MemoryEstimate:
 def param_bytes_per_device(config: ModelConfig, axis_sizes: dict[str, int],
                            bytes_per_element: int = 4) -> int:
     """Bytes of one device's slices of every parameter (the model's shapes, the rules' layout)."""
-    from sparrow_jax.models.qwen3 import Qwen3
-
-    abstract = nnx.state(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))), nnx.Param)
-    specs = jax.tree.leaves(sharding.param_specs(abstract, axis_sizes),
-                            is_leaf=lambda s: isinstance(s, sharding.PartitionSpec))
     total = 0
-    for x, spec in zip(jax.tree.leaves(abstract), specs):
+    for path, shape in _param_shapes(config):
+        spec = sharding.resolve(sharding.param_logical(path), shape, axis_sizes)
         split = 1
         for entry in spec:
             for axis in () if entry is None else (entry,) if isinstance(entry, str) else entry:
                 split *= axis_sizes[axis]
-        total += math.prod(x.shape) // split
+        total += math.prod(shape) // split
     return total * bytes_per_element
+
+
+@functools.lru_cache(maxsize=16)
+def _param_shapes(config: ModelConfig) -> tuple[tuple[str, tuple[int, ...]], ...]:
+    """(path, shape) of every parameter; cached: tracing a 40-layer model takes seconds."""
+    from sparrow_jax.models.qwen3 import Qwen3
+
+    abstract = nnx.state(nnx.eval_shape(lambda: Qwen3(config, rngs=nnx.Rngs(0))), nnx.Param)
+    leaves = jax.tree_util.tree_leaves_with_path(abstract)
+    return tuple((sharding.path_name(p), tuple(x.shape)) for p, x in leaves)
 
 
 def _split(n: int, parts: int) -> int:
@@ -65,7 +72,8 @@ def _split(n: int, parts: int) -> int:
 
 def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_batch_size: int,
                      seq_len: int, response_len: int, compute_bytes: int = 2,
-                     chunk_size: int = 1024, remat: bool = True) -> int:
+                     chunk_size: int = 1024, remat: bool = True,
+                     flash_attention: bool = False) -> int:
     """One micro-batch of ``micro_batch_size`` rows of ``seq_len`` tokens (``response_len``
     scored by the LM head) through the update's forward and backward, per device.
 
@@ -74,8 +82,9 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
     input, q/k/v, attention output, MLP gate, up, activation and product, once (their gradients
     take their place as the backward walks back), and the attention matrix ``[b, H, T, T]`` four
     times in float32 (scores, probabilities and both gradients: XLA's attention; a flash kernel
-    keeps none, so this overestimates the cuDNN path). The LM head holds the response hidden
-    states and a ``[chunk, V]`` float32 block of logits, log-probs and probabilities at a time.
+    keeps none, so with ``flash_attention``, cuDNN's path on GPU, only its float32 softmax
+    statistics ``[b, H, T]`` count). The LM head holds the response hidden states and a
+    ``[chunk, V]`` float32 block of logits, log-probs and probabilities at a time.
     ``b`` is the micro-batch's rows on one device (split over data x fsdp when that divides).
     """
     batch_split = axis_sizes.get("data", 1) * axis_sizes.get("fsdp", 1)
@@ -86,7 +95,8 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
     q_width = _split(config.num_attention_heads * config.head_dim, t)
     kv_width = _split(config.num_key_value_heads * config.head_dim, t)
     ffn = _split(config.intermediate_size, t)
-    layer = b * T * (d + 2 * q_width + 2 * kv_width + 4 * ffn) * c + 4 * b * heads * T * T * 4
+    attention = b * heads * T * 4 if flash_attention else 4 * b * heads * T * T * 4
+    layer = b * T * (d + 2 * q_width + 2 * kv_width + 4 * ffn) * c + attention
     kept = b * T * d * c
     layers = config.num_hidden_layers * kept + layer if remat else (
         config.num_hidden_layers * (kept + layer))
@@ -99,7 +109,7 @@ def memory_per_device(config: ModelConfig, axis_sizes: dict[str, int] | tuple[in
                       micro_batch_size: int, seq_len: int, response_len: int,
                       kv_pages: int = 0, page_size: int = 16, kv_bytes: int = 2,
                       compute_bytes: int = 2, chunk_size: int = 1024,
-                      remat: bool = True) -> MemoryEstimate:
+                      remat: bool = True, flash_attention: bool = False) -> MemoryEstimate:
     """Memory per device of a GRPO step on a ``(data, fsdp, tensor)`` mesh.
 
     ``kv_pages``: pages in the pool of one rollout shard (each data x fsdp shard has its own;
@@ -119,5 +129,5 @@ def memory_per_device(config: ModelConfig, axis_sizes: dict[str, int] | tuple[in
         activations=activation_bytes(config, axis_sizes, micro_batch_size=micro_batch_size,
                                      seq_len=seq_len, response_len=response_len,
                                      compute_bytes=compute_bytes, chunk_size=chunk_size,
-                                     remat=remat),
+                                     remat=remat, flash_attention=flash_attention),
         kv_pages=kv)

@@ -1,0 +1,118 @@
+"""The presets of configs/presets and ``sparrow train --dry-run``: every preset validates and fits
+its chip without weights, two presets' memory per device against hand-worked figures, and a
+config that cannot fit fails with one line naming its largest part."""
+
+import shutil
+from pathlib import Path
+
+import pytest
+
+from sparrow_jax.cli import main
+from sparrow_jax.config import CONFIG_DIR, ConfigError
+from sparrow_jax.dry_run import GIB, dry_run, load_run_file, run_file_from_dict
+
+PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
+
+
+def test_every_preset_fits_its_chip_without_weights():
+    assert len(PRESETS) == 12
+    for path in PRESETS:
+        run = load_run_file(path)
+        r = dry_run(run)
+        assert "not found: architecture from configs/models/" in r.model_source, path
+        assert r.devices == run.target.devices and r.mesh[0] * r.mesh[1] * r.mesh[2] == r.devices
+        assert r.peak <= r.limit == int(0.9 * r.chip.memory), (path.name, r.peak / GIB)
+        assert run.config.budget_schedule is not None     # the paper's table
+        r.check_fits()
+
+
+def test_qwen3_8b_on_8_h100_by_hand():
+    r = dry_run(load_run_file(CONFIG_DIR / "presets" / "qwen3-8b-h100x8.yaml"))
+    assert r.mesh == (1, 4, 2)
+    # per layer: q, o 4096^2, k, v 4096*1024, MLP 3*4096*12288, each split fsdp 4 x tensor 2,
+    # norms 2*4096 + 2*128 whole; embedding and LM head 151936*4096 / 8 each; final norm 4096
+    per_layer = (2 * 4096 * 4096 + 2 * 4096 * 1024 + 3 * 4096 * 12288) // 8 + 8448
+    elements = 36 * per_layer + 2 * 151936 * 4096 // 8 + 4096
+    assert r.memory.weights == r.memory.grads == 4 * elements == 4_096_446_464
+    assert r.memory.optimizer == 8 * elements
+    # the rollout replica: all 8,190,735,360 parameters in float32
+    assert r.rollout_weights == 4 * (36 * (192_937_984 + 8448) + 2 * 151936 * 4096 + 4096)
+    # one shard: 1 prompt of 2048 tokens (128 shared pages) x 8 samples of 30720 new tokens
+    # (2048 - 128 own pages each), the null page, rounded up to 64 pages
+    assert r.pool_pages == 15552 >= 128 + 8 * 1920 + 1
+    # pages x 16 tokens x (K, V) x 36 layers x 4 KV heads (8 over tensor 2) x 128 x bf16
+    assert r.memory.kv_pages == 15552 * 16 * 2 * 36 * 4 * 128 * 2
+    # b = 4 rows / (fsdp 4) = 1, T = 32768, cuDNN flash attention (softmax statistics only):
+    # 36 kept layer inputs, one layer's internals (q 2048, k, v 512, MLP 6144 wide per device),
+    # 16 heads' float32 statistics, then the head: 30720 hidden states and 3 [1024, 75968] blocks
+    layer = 32768 * (4096 + 2 * 2048 + 2 * 512 + 4 * 6144) * 2 + 16 * 32768 * 4
+    head = 30720 * 4096 * 2 + 3 * 1024 * 75968 * 4
+    assert r.memory.activations == 36 * 32768 * 4096 * 2 + layer + head
+    # the rollout phase (masters and moments, replica, pool) is the peak: 59.0 GiB of the H100's 72 GiB (80 less 10%)
+    assert r.peak == r.rollout_peak == 12 * elements + r.rollout_weights + r.memory.kv_pages
+    assert round(r.peak / GIB, 2) == 59.04
+
+
+def test_qwen3_1_7b_on_v5p_8_by_hand():
+    r = dry_run(load_run_file(CONFIG_DIR / "presets" / "qwen3-1.7b-v5p-8.yaml"))
+    assert r.mesh == (1, 1, 4) and r.chip.platform == "tpu"
+    # tensor 4 alone: every kernel and the tied embedding split 4 ways, norms whole
+    per_layer = (2 * 2048 * 2048 + 2 * 2048 * 1024 + 3 * 2048 * 6144) // 4 + 4352
+    elements = 28 * per_layer + 151936 * 2048 // 4 + 2048
+    assert r.memory.weights == 4 * elements == 4 * 430_236_672
+    # b = 1, T = 32768, XLA attention: the [4 heads, T, T] float32 matrix four times
+    layer = 32768 * (2048 + 2 * 512 + 2 * 256 + 4 * 1536) * 2 + 4 * 4 * 32768 ** 2 * 4
+    head = 30720 * 2048 * 2 + 3 * 1024 * 37984 * 4
+    assert r.memory.activations == 28 * 32768 * 2048 * 2 + layer + head
+    # 8 prompts: 8 x (128 + 8 x 1920) + 1 = 123905 pages, rounded up to 64; 2 KV heads per device
+    assert r.pool_pages == 123968
+    assert r.memory.kv_pages == 123968 * 16 * 2 * 28 * 2 * 128 * 2
+    # the update phase is the peak
+    assert r.peak == r.update_peak == 16 * elements + r.memory.activations
+    assert r.peak <= r.limit == int(0.9 * 95 * GIB)
+
+
+@pytest.mark.parametrize("preset, chip, part", [
+    ("qwen3-14b-h200x8.yaml", "h100", "rollout_weights 55.0 GiB"),   # 14.8B float32 replica
+    ("qwen3-1.7b-v5p-8.yaml", "v5e", "activations 68.6 GiB"),        # the T x T scores
+])
+def test_a_config_that_does_not_fit_fails_with_one_line(preset, chip, part, capsys):
+    status = main(["train", "--config", str(CONFIG_DIR / "presets" / preset), "--dry-run",
+                   "--chip", chip])
+    out, err = capsys.readouterr()
+    assert status == 2 and "DOES NOT FIT" in out
+    assert err.count("\n") == 1 and err.startswith("sparrow train: error: does not fit: ")
+    assert f"largest part: {part}" in err
+
+
+def test_dry_run_prints_the_table_and_passes(capsys):
+    path = CONFIG_DIR / "presets" / "qwen3-8b-h100x8.yaml"
+    assert main(["train", "--config", str(path), "--dry-run"]) == 0
+    out = capsys.readouterr().out
+    assert "mesh on 8 devices: data=1, fsdp=4, tensor=2" in out
+    assert "/path/to/Qwen3-8B not found: architecture from configs/models/qwen3-8b.json" in out
+    assert out.rstrip().endswith("fits")
+
+
+def test_mesh_and_devices_must_agree(capsys):
+    path = CONFIG_DIR / "presets" / "qwen3-1.7b-v5litepod-16.yaml"
+    assert main(["train", "--config", str(path), "--dry-run", "--devices", "8"]) == 2
+    assert capsys.readouterr().err == ("sparrow train: error: mesh data=1, fsdp=2, tensor=8 "
+                                       "needs 16 devices, found 8\n")
+
+
+def test_model_folder_config_is_read_and_unknown_folders_refused(tmp_path):
+    folder = tmp_path / "model"
+    folder.mkdir()
+    shutil.copy(CONFIG_DIR / "models" / "qwen3-0.6b.json", folder / "config.json")
+    base = {"model": {"path": str(folder)}, "data": {"prompts_per_step": 2},
+            "rollout": {"samples_per_prompt": 2, "max_new_tokens": 64},
+            "update": {"micro_batch_size": 2}, "mesh": {"data": 1, "fsdp": 2, "tensor": 1},
+            "target": {"chip": "h100"}}
+    r = dry_run(run_file_from_dict(base))
+    assert r.model_source.endswith("config.json (weights not read)") and r.devices == 2
+    assert r.model.hidden_size == 1024
+    base["model"] = {"path": str(Path(tmp_path) / "Llama-7B")}
+    with pytest.raises(ConfigError, match=r"^model.path: .*Llama-7B has no config.json and "
+                                          r"'llama-7b' is no preset of configs/models"):
+        dry_run(run_file_from_dict(base))
