@@ -38,13 +38,14 @@ class Chip:
     name: str
     memory: int        # bytes of one chip
     platform: str      # "tpu" or "gpu": which attention the update's forward runs
+    host_devices: int  # devices per host (one process each) in a multi-host slice or cluster
 
 
 CHIPS: dict[str, Chip] = {
-    "v5e": Chip("TPU v5e", 16 * GIB, "tpu"),
-    "v5p": Chip("TPU v5p", 95 * GIB, "tpu"),
-    "h100": Chip("NVIDIA H100", 80 * GIB, "gpu"),
-    "h200": Chip("NVIDIA H200", 141 * GIB, "gpu"),
+    "v5e": Chip("TPU v5e", 16 * GIB, "tpu", 4),
+    "v5p": Chip("TPU v5p", 95 * GIB, "tpu", 4),
+    "h100": Chip("NVIDIA H100", 80 * GIB, "gpu", 8),
+    "h200": Chip("NVIDIA H200", 141 * GIB, "gpu", 8),
 }
 
 
@@ -71,19 +72,12 @@ class Target:
 class RunFile:
     config: Any            # TrainConfig
     target: Target
-    mesh: MeshConfig       # the config's mesh (MeshConfig() when it has none)
-
-
-def train_config_has_mesh() -> bool:
-    """Whether :class:`~sparrow_jax.rl.config.TrainConfig` reads ``mesh`` itself."""
-    from sparrow_jax.rl.config import TrainConfig
-
-    return "mesh" in {f.name for f in dataclasses.fields(TrainConfig)}
+    mesh: MeshConfig       # the config's mesh (MeshConfig() when it has none: with several
+    #                        processes the trainer's mesh over all devices)
 
 
 def load_run_file(path: str | Path) -> RunFile:
-    """A run YAML -> its TrainConfig, ``target`` and mesh; every error names the file and key.
-    While TrainConfig has no ``mesh`` field the ``mesh`` key is read here."""
+    """A run YAML -> its TrainConfig, ``target`` and mesh; every error names the file and key."""
     import yaml
 
     path = Path(path)
@@ -107,11 +101,8 @@ def run_file_from_dict(data: dict[str, Any]) -> RunFile:
 
     data = dict(data)
     target = from_dict(Target, data.pop("target", None), where="target")
-    own_mesh = None if train_config_has_mesh() else data.pop("mesh", None)
     config = from_dict(TrainConfig, data)
-    mesh = (from_dict(MeshConfig, own_mesh, where="mesh") if own_mesh is not None
-            else getattr(config, "mesh", None) or MeshConfig())
-    return RunFile(config, target, mesh)
+    return RunFile(config, target, config.mesh or MeshConfig())
 
 
 def architecture(spec) -> tuple[ModelConfig, str]:
@@ -232,11 +223,20 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
     engine, n_samples = config.rollout.engine, config.rollout.samples_per_prompt
     max_new, page = config.rollout.max_new_tokens, engine.page_size
     prompt = _max_prompt_tokens(config, target)
-    groups = data_size * fsdp_size
-    prompts_per_shard = -(-config.data.prompts_per_step // groups)
-    notes = [] if groups * prompts_per_shard == config.data.prompts_per_step else [
+    # With several processes (one per host) each samples its share of the prompts on a mesh of
+    # its own devices, KV heads over `tensor` only where that divides them (rl/trainer.py).
+    processes = 1 if chip_spec is None or n <= chip_spec.host_devices else -(
+        -n // chip_spec.host_devices)
+    local = n // processes
+    kv_split = tensor if local % tensor == 0 else 1
+    groups = local // kv_split
+    prompts_per_shard = -(-(-(-config.data.prompts_per_step // processes)) // groups)
+    notes = [] if groups * processes * prompts_per_shard == config.data.prompts_per_step else [
         f"data.prompts_per_step={config.data.prompts_per_step} does not split evenly over "
-        f"{groups} rollout shards: the last ones are padded"]
+        f"{groups * processes} rollout shards: the last ones are padded"]
+    if kv_split != tensor:
+        notes.append(f"mesh.tensor={tensor} spans hosts of {local} devices: rollouts keep "
+                     f"every KV head on each device")
     accelerator = chip_spec is not None
     compute_bytes = 4 if config.model.dtype == "float32" or (
         config.model.dtype == "auto" and not accelerator) else 2
@@ -266,6 +266,7 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
         remat=config.update.remat,
         flash_attention=chip_spec is not None and chip_spec.platform == "gpu"
         and compute_bytes == 2)
+    memory = dataclasses.replace(memory, kv_pages=memory.kv_pages * tensor // kv_split)
     # generate(mesh=) replicates the float32 masters on every device for the rollout.
     rollout_weights = param_bytes_per_device(model, {})
     return DryRun(model=model, model_source=source, devices=n, mesh=sizes, chip=chip_spec,

@@ -97,7 +97,7 @@ def test_dry_run_prints_the_table_and_passes(capsys):
 def test_mesh_and_devices_must_agree(capsys):
     path = CONFIG_DIR / "presets" / "qwen3-1.7b-v5litepod-16.yaml"
     assert main(["train", "--config", str(path), "--dry-run", "--devices", "8"]) == 2
-    assert capsys.readouterr().err == ("sparrow train: error: mesh data=1, fsdp=2, tensor=8 "
+    assert capsys.readouterr().err == ("sparrow train: error: mesh data=1, fsdp=8, tensor=2 "
                                        "needs 16 devices, found 8\n")
 
 

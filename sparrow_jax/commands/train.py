@@ -50,16 +50,11 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None or args.chip is not None:
         raise CliError("--devices and --chip go with --dry-run")
 
-    from sparrow_jax.dry_run import load_run_file, train_config_has_mesh
+    from sparrow_jax.dry_run import load_run_file
     from sparrow_jax.rl.interrupt import TrainingInterrupted
     from sparrow_jax.rl.trainer import train
-    from sparrow_jax.sharding import MeshConfig
 
-    run_file = load_run_file(args.config)
-    if not train_config_has_mesh() and run_file.mesh != MeshConfig():
-        raise CliError(f"{args.config}: mesh: this trainer runs on one device (TrainConfig has "
-                       "no mesh yet); use it with --dry-run only")
-    config = run_file.config
+    config = load_run_file(args.config).config     # a `target` key is the dry run's alone
     overrides = {k: v for k, v in (("run_dir", args.run_dir), ("steps", args.steps))
                  if v is not None}
     if args.no_progress:
