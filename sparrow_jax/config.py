@@ -256,17 +256,11 @@ def check_value(hint: Any, value: Any, where: str) -> Any:
             raise ConfigError(f"{where}: expected a list of {len(args)}, got {value!r}")
         return tuple(check_value(a, v, f"{where}[{i}]") for i, (a, v) in
                      enumerate(zip(args, value)))
-    if origin is dict or hint is dict:
-        if not isinstance(value, dict):
-            raise ConfigError(f"{where}: expected a mapping, got {value!r}")
-        return value
-    if hint is bool:
-        if not isinstance(value, bool):
-            raise ConfigError(f"{where}: expected true or false, got {value!r}")
-        return value
-    if hint is int:
-        if isinstance(value, bool) or not isinstance(value, int):
-            raise ConfigError(f"{where}: expected an integer, got {value!r}")
+    plain = dict if origin is dict else hint
+    if plain in _PLAIN:
+        accepts, what = _PLAIN[plain]
+        if not accepts(value):
+            raise ConfigError(f"{where}: expected {what}, got {value!r}")
         return value
     if hint is float:
         if isinstance(value, str):
@@ -280,11 +274,16 @@ def check_value(hint: Any, value: Any, where: str) -> Any:
         if not math.isfinite(value):
             raise ConfigError(f"{where}: expected a finite number, got {value!r}")
         return value
-    if hint is str:
-        if not isinstance(value, str):
-            raise ConfigError(f"{where}: expected a string, got {value!r}")
-        return value
     return value
+
+
+# Types taken as they are: (accepts, what an error calls it). YAML's booleans are not ints here.
+_PLAIN = {
+    bool: (lambda v: isinstance(v, bool), "true or false"),
+    int: (lambda v: isinstance(v, int) and not isinstance(v, bool), "an integer"),
+    str: (lambda v: isinstance(v, str), "a string"),
+    dict: (lambda v: isinstance(v, dict), "a mapping"),
+}
 
 
 def to_dict(config: Any) -> dict[str, Any]:
