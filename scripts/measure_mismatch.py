@@ -44,8 +44,9 @@ from sparrow_jax.attention.teacher_forced import (  # noqa: E402
 from sparrow_jax.mismatch import (  # noqa: E402
     ESTIMATORS, acceptance_rate, acceptance_rate_paper, acceptance_rate_topk_bound,
     tail_statistic)
-from sparrow_jax.models.qwen3 import logits_from_hidden  # noqa: E402
+from sparrow_jax.models.lm_head import map_positions, scaled_logits  # noqa: E402
 from sparrow_jax.plot import TAIL_TARGET  # noqa: E402
+from sparrow_jax.rl.recompute import response_rows  # noqa: E402
 from sparrow_jax.schedule import PAPER_TABLES, BudgetSchedule  # noqa: E402
 
 QUANTILE = 0.05
@@ -204,18 +205,11 @@ def dense_rollouts(model, prompts, a, eos) -> dict[str, np.ndarray]:
 
 
 # --------------------------------------------------------------------------- alpha per token
-def _response_rows(h, prompt_lengths, r):
-    """h ``[B, T, d]`` -> ``[B, R, d]``: slot j holds position ``prompt_lengths + j - 1``, the
-    query that produced response token j (its step ``lengths`` is ``prompt_lengths + j``)."""
-    pos = jnp.clip(prompt_lengths[:, None] + jnp.arange(r)[None, :] - 1, 0, h.shape[1] - 1)
-    return jnp.take_along_axis(h, pos[:, :, None], axis=1)
-
-
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("r",))
 def _dense_hidden(graphdef, state, tokens, prompt_lengths, *, r):
     model = nnx.merge(graphdef, state)
     hidden, _ = model.forward(tokens)
-    return _response_rows(hidden, prompt_lengths, r)
+    return response_rows(hidden, prompt_lengths, r)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
@@ -230,23 +224,19 @@ def _alphas(graphdef, state, tokens, prompt_lengths, budget_pages, hidden_p, res
                                         dense_layers=dense_layers)
     hidden_q, _ = model.forward(tokens, attend=attend,
                                 state=TeacherForcedBudgets(budget_pages, prompt_lengths))
-    hidden_q = _response_rows(hidden_q, prompt_lengths, r)
-    b, _, d = hidden_q.shape
-    n = b * r
-    pad = (-n) % chunk
+    hidden_q = response_rows(hidden_q, prompt_lengths, r)
+    b = hidden_q.shape[0]
     w = model.head_weight()
 
     def flat(x):
-        x = x.reshape(n, *x.shape[2:])
-        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])
+        return x.reshape(b * r, *x.shape[2:])
 
-    def body(xs):
-        hp, hq, ids = xs
-        logits_p = logits_from_hidden(hp, w)
-        logits_q = logits_from_hidden(hq, w)
-        exact = acceptance_rate(logits_p, logits_q, temperature)
-        lp = jax.nn.log_softmax(logits_p / temperature, axis=-1)
-        lq = jax.nn.log_softmax(logits_q / temperature, axis=-1)
+    def body(hp, hq, ids):
+        logits_p = scaled_logits(hp, w, temperature)
+        logits_q = scaled_logits(hq, w, temperature)
+        exact = acceptance_rate(logits_p, logits_q)      # already divided by the temperature
+        lp = jax.nn.log_softmax(logits_p, axis=-1)
+        lq = jax.nn.log_softmax(logits_q, axis=-1)
         q_top, q_ids = jax.lax.top_k(lq, top_k)
         p_top, p_ids = jax.lax.top_k(lp, top_k)
         bound = acceptance_rate_topk_bound(jnp.take_along_axis(lp, q_ids, axis=-1), q_top)
@@ -254,8 +244,9 @@ def _alphas(graphdef, state, tokens, prompt_lengths, budget_pages, hidden_p, res
         logp_token = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
         return exact, bound, paper, logp_token
 
-    outs = jax.lax.map(body, (flat(hidden_p), flat(hidden_q), flat(response_ids)))
-    return tuple(o.reshape(-1)[:n].reshape(b, r) for o in outs)
+    outs = map_positions(body, (flat(hidden_p), flat(hidden_q), flat(response_ids)),
+                         chunk_size=chunk, remat=False)
+    return tuple(o.reshape(b, r) for o in outs)
 
 
 # --------------------------------------------------------------------------- summary

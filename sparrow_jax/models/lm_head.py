@@ -2,13 +2,14 @@
 
 A 32K-token response of Qwen3 (vocab 151,936) has 20 GB of float32 logits; these functions keep
 one ``[chunk, vocab]`` block alive at a time (and recompute it in the backward pass), returning
-only what RL needs.
+only what RL needs. :func:`map_positions` is the chunking itself; the RL recompute and the
+mismatch measurement reduce their own statistics through it.
 """
 
 from __future__ import annotations
 
 import functools
-from typing import NamedTuple
+from typing import Any, Callable, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -24,8 +25,37 @@ class HeadOutputs(NamedTuple):
     entropy: jax.Array | None        # [B, T] float32
 
 
+def scaled_logits(h: jax.Array, head_weight: jax.Array, temperature: float = 1.0) -> jax.Array:
+    """h ``[C, d]``, head_weight ``[V, d]`` -> ``logits / T`` ``[C, V]`` float32."""
+    return jnp.einsum("td,vd->tv", h.astype(head_weight.dtype), head_weight,
+                      preferred_element_type=jnp.float32) / temperature
+
+
+def map_positions(fn: Callable[..., Any], xs: tuple[jax.Array, ...], *,
+                  chunk_size: int = 1024, remat: bool = True) -> Any:
+    """Applies ``fn`` to chunks of positions and concatenates: the one chunking of the LM head.
+
+    xs: arrays ``[N, ...]`` (positions first: hidden states, ids, ...); ``fn(*chunks)`` gets
+    ``[C, ...]`` slices (the last chunk zero padded) and returns a pytree of ``[C, ...]`` arrays,
+    typically computing ``[C, V]`` logits with :func:`scaled_logits` and reducing them. Returns
+    that pytree with ``[N, ...]`` leaves. With ``remat`` each chunk is recomputed in the
+    backward pass, so at most one chunk's logits are ever alive.
+    """
+    n = xs[0].shape[0]
+    chunk = max(1, min(chunk_size, n))
+    pad = (-n) % chunk
+
+    def split(x):
+        x = jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1))
+        return x.reshape(-1, chunk, *x.shape[1:])
+
+    body = functools.partial(jax.checkpoint, prevent_cse=False)(fn) if remat else fn
+    out = jax.lax.map(lambda c: body(*c), tuple(split(x) for x in xs))
+    return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
+
+
 def _chunk_stats(h, w, ids, temperature, top_k, with_entropy):
-    logits = jnp.einsum("td,vd->tv", h, w, preferred_element_type=jnp.float32) / temperature
+    logits = scaled_logits(h, w, temperature)
     logz = jax.nn.logsumexp(logits, axis=-1)
     lp = None if ids is None else jnp.take_along_axis(logits, ids[:, None], -1)[:, 0] - logz
     tk_ids = tk_lp = None
@@ -48,26 +78,15 @@ def head_outputs(hidden: jax.Array, head_weight: jax.Array, ids: jax.Array | Non
     rematerialised in the backward pass, so peak memory is one ``[chunk, V]`` block.
     """
     b, t, d = hidden.shape
-    n = b * t
-    chunk = max(1, min(chunk_size, n))
-    pad = (-n) % chunk
-    h = jnp.pad(hidden.reshape(n, d).astype(head_weight.dtype), ((0, pad), (0, 0)))
-    h = h.reshape(-1, chunk, d)
-    xs = (h,)
+    xs = (hidden.reshape(b * t, d),)
     if ids is not None:
         if ids.shape != (b, t):
             raise ValueError(f"ids must be {(b, t)} like hidden's leading axes, got {ids.shape}")
-        xs += (jnp.pad(ids.reshape(n).astype(jnp.int32), (0, pad)).reshape(-1, chunk),)
+        xs += (ids.reshape(b * t).astype(jnp.int32),)
 
-    @functools.partial(jax.checkpoint, prevent_cse=False)
-    def body(x):
-        return _chunk_stats(x[0], head_weight, x[1] if ids is not None else None,
-                            temperature, top_k, entropy)
+    def body(h, *ids_):
+        return _chunk_stats(h, head_weight, ids_[0] if ids_ else None, temperature, top_k,
+                            entropy)
 
-    lp, tk_ids, tk_lp, ent = jax.lax.map(body, xs)
-
-    def unflatten(x, *tail):
-        return None if x is None else x.reshape(-1, *tail)[:n].reshape(b, t, *tail)
-
-    return HeadOutputs(unflatten(lp), unflatten(tk_ids, top_k), unflatten(tk_lp, top_k),
-                       unflatten(ent))
+    out = map_positions(body, xs, chunk_size=chunk_size)
+    return HeadOutputs(*(None if x is None else x.reshape(b, t, *x.shape[1:]) for x in out))

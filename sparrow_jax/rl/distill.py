@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 from flax import nnx
 
 from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
@@ -250,8 +251,6 @@ def _add(a, b):
 
 @functools.partial(jax.jit, static_argnums=(0,))
 def _apply(optimizer, params, opt_state, grads):
-    import optax
-
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
 

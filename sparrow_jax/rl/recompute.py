@@ -23,6 +23,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax import sharding
+from sparrow_jax.models.lm_head import map_positions, scaled_logits
 from sparrow_jax.rollout.types import Rollout
 
 
@@ -69,17 +70,8 @@ class DenseStats(NamedTuple):
 def _head_stats(h, w, ids, actor_ids, temperature, top_k, chunk_size):
     """h ``[N, d]``, ids ``[N]``, actor_ids ``[N, k]`` -> per-position stats, one ``[chunk, V]``
     block of logits alive at a time."""
-    n, d = h.shape
-    chunk = max(1, min(chunk_size, n))
-    pad = (-n) % chunk
-
-    def padded(x):
-        return jnp.pad(x, [(0, pad)] + [(0, 0)] * (x.ndim - 1)).reshape(-1, chunk, *x.shape[1:])
-
-    def body(xs):
-        hc, idc, ac = xs
-        logits = jnp.einsum("td,vd->tv", hc.astype(w.dtype), w,
-                            preferred_element_type=jnp.float32) / temperature
+    def body(hc, idc, ac):
+        logits = scaled_logits(hc, w, temperature)
         logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
         lp = jnp.take_along_axis(logp, idc[:, None], axis=-1)[:, 0]
         actor_lp = jnp.take_along_axis(logp, ac, axis=-1)
@@ -87,8 +79,8 @@ def _head_stats(h, w, ids, actor_ids, temperature, top_k, chunk_size):
         ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
         return lp, actor_lp, tk_ids.astype(jnp.int32), tk_lp, ent
 
-    outs = jax.lax.map(body, (padded(h), padded(ids), padded(actor_ids)))
-    return tuple(o.reshape(-1, *o.shape[2:])[:n] for o in outs)
+    # Not differentiated (stop-gradient inputs): no remat needed.
+    return map_positions(body, (h, ids, actor_ids), chunk_size=chunk_size, remat=False)
 
 
 def stats_from_hidden(h: jax.Array, head_weight: jax.Array, ids: jax.Array,
