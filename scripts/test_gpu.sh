@@ -1,12 +1,16 @@
 #!/usr/bin/env bash
 # The test suite on a GPU machine (the device image: JAX with CUDA, no venv): every test but the
 # `hf` ones (slow included), in parts that each finish within 10 minutes there.
-#   bash scripts/test_gpu.sh PART      PART: kernels | models | train | rest | tpu | all
+#   bash scripts/test_gpu.sh PART [PYTEST ARGS]   PART: kernels | models | train | rest | tpu | all
+# With pytest-xdist's `-n N` the workers share the GPU: memory is allocated on demand, not
+# preallocated by the first worker.
 # (tpu: the TPU kernels in interpret mode and their exports, which run on the host's CPU)
 # Wheels the image lacks come from .whl/ (scripts/gpu_wheels.sh fetches them; carry .whl).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:-all}
+shift || true
+case " $* " in *" -n "*) export XLA_PYTHON_CLIENT_PREALLOCATE=false ;; esac
 if [ -d .whl ]; then
   python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
     --target /tmp/site .whl/*.whl
@@ -41,4 +45,4 @@ case $part in
   all) files="" ;;
   *) echo "unknown part $part: kernels, models, train, rest, tpu or all" >&2; exit 2 ;;
 esac
-exec python3 -m pytest -q -m "not hf" -p no:cacheprovider $files
+exec python3 -m pytest -q -m "not hf" -p no:cacheprovider --durations=10 "$@" $files
