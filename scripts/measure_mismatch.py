@@ -1,9 +1,10 @@
-"""Measures the sparse-to-dense mismatch of a model per page budget and length bin (DESIGN 3.4).
+"""Measures the sparse-to-dense mismatch of a model per page budget and length bin
+(docs/design.md, section 5).
 
 Dense rollouts are sampled with the rollout engine; then, for every budget, the same tokens go
 through the teacher-forced sparse forward (each response position attends through its own block
-top-k selection with that budget, DESIGN 3.2) and through the dense forward. Per response token,
-the acceptance rate ``alpha = sum_x min(p(x), q(x))`` compares p, the dense policy, with q, the
+top-k selection with that budget, docs/design.md, section 3) and through the dense forward. Per
+response token, the acceptance rate ``alpha = sum_x min(p(x), q(x))`` compares p, the dense policy, with q, the
 sparse actor, both ``softmax(logits / T)`` at the rollout temperature, with the three estimators
 of :mod:`sparrow_jax.mismatch`: ``exact`` (full vocabulary), ``topk_bound`` (q's top-k, p over the
 full vocabulary) and ``paper`` (the intersection of both top-k sets). The tail statistic is the
