@@ -4,11 +4,11 @@
 Dense rollouts are sampled with the rollout engine; then, for every budget, the same tokens go
 through the teacher-forced sparse forward (each response position attends through its own block
 top-k selection with that budget, docs/design.md, section 3) and through the dense forward. Per
-response token, the acceptance rate ``alpha = sum_x min(p(x), q(x))`` compares p, the dense
-policy, with q, the sparse actor, both ``softmax(logits / T)`` at the rollout temperature, with the three estimators
-of :mod:`sparrow_jax.mismatch`: ``exact`` (full vocabulary), ``topk_bound`` (q's top-k, p over the
-full vocabulary) and ``paper`` (the intersection of both top-k sets). The tail statistic is the
-5th percentile of alpha per length bin, the bins indexed by each token's step ``lengths``.
+response token, the acceptance rate ``alpha = sum_x min(p(x), q(x))`` compares p, the dense policy,
+with q, the sparse actor, both ``softmax(logits / T)`` at the rollout temperature, with the three
+estimators of :mod:`sparrow_jax.mismatch`: ``exact`` (full vocabulary), ``topk_bound`` (q's top-k, p
+over the full vocabulary) and ``paper`` (the intersection of both top-k sets). The tail statistic is
+the 5th percentile of alpha per length bin, the bins indexed by each token's step ``lengths``.
 
     .venv/bin/python scripts/measure_mismatch.py --model checkpoints/demo \\
         --budgets 3,4,6,8,12 --bin-tokens 64 --max-new-tokens 320 --out runs/mismatch
