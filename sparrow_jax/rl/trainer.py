@@ -31,6 +31,7 @@ A stop signal is agreed on at the step's safe points, so all processes stop at t
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import signal
 import time
 from pathlib import Path
@@ -157,7 +158,7 @@ def gather_rollout(local: Rollout, num_prompts: int, n: int) -> Rollout:
         return local
     width = distributed.max_over_processes(local.tokens.shape[1])
     fields = {}
-    for name in Rollout._fields:
+    for name in (f.name for f in dataclasses.fields(Rollout)):
         x = np.asarray(getattr(local, name))
         if name == "tokens":
             x = np.pad(x, [(0, 0), (0, width - x.shape[1])])

@@ -1,0 +1,179 @@
+"""Two processes, one run: ``jax.distributed`` with a localhost coordinator and gloo CPU
+collectives (:mod:`sparrow_jax.distributed`), the demo config (``configs/demo.yaml``) for a few
+steps against the same run in one process; and a SIGTERM to both processes mid-rollout, which
+must leave one checkpoint that two processes resume to the uninterrupted run.
+
+Each process is this file run as a script (``python tests/test_multiprocess.py CONFIG OUT``):
+``train()`` with the engine's rollouts recorded, its share of each step's responses written to
+``OUT`` as JSON. ``SPARROW_TEST_SIGTERM_AT=k`` makes a process send itself SIGTERM as its k-th
+rollout starts (a known phase; the handlers are the trainer's own).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[1]
+STEPS = 3
+
+
+def _write_config(tmp: Path, run_dir: Path, **over) -> Path:
+    data = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())
+    data.update(run_dir=str(run_dir), steps=STEPS, eval_every=0, tensorboard=False,
+                progress=False, checkpoint_every=100, **over)
+    data["model"]["path"] = str(REPO / data["model"]["path"])
+    path = tmp / f"{run_dir.name}.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _launch(config: Path, processes: int, *, resume=False, sigterm_at=None,
+            timeout=300) -> list[dict]:
+    """Runs the worker in ``processes`` processes; -> per process: exit code, stderr tail and
+    its recorded responses."""
+    port = _free_port()
+    procs = []
+    for i in range(processes):
+        env = dict(os.environ, JAX_PLATFORMS="cpu")
+        env.pop("XLA_FLAGS", None)
+        if processes > 1:
+            env.update(SPARROW_COORDINATOR=f"127.0.0.1:{port}",
+                       SPARROW_NUM_PROCESSES=str(processes), SPARROW_PROCESS_ID=str(i))
+        if sigterm_at is not None:
+            env["SPARROW_TEST_SIGTERM_AT"] = str(sigterm_at)
+        out = config.with_suffix(f".{i}.json")
+        args = [sys.executable, __file__, str(config), str(out)] + (["--resume"] if resume
+                                                                   else [])
+        procs.append((subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE,
+                                       stderr=subprocess.PIPE, text=True), out))
+    results = []
+    try:
+        for p, out in procs:
+            _, err = p.communicate(timeout=timeout)
+            results.append({"rc": p.returncode, "err": err[-4000:],
+                            "responses": json.loads(out.read_text()) if out.exists() else []})
+    finally:
+        for p, _ in procs:
+            if p.poll() is None:
+                p.kill()
+    return results
+
+
+def _metrics(run_dir: Path) -> list[dict]:
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time_", "tokens_per_s"))}
+            for r in rows]
+
+
+def _merged(results: list[dict]) -> list[list[list[int]]]:
+    """Per step: every process's responses, in process order (rows of the whole batch)."""
+    steps = len(results[0]["responses"])
+    assert all(len(r["responses"]) == steps for r in results), [len(r["responses"])
+                                                                 for r in results]
+    return [sum((r["responses"][s] for r in results), []) for s in range(steps)]
+
+
+def _assert_same_metrics(got, want):
+    assert [r["step"] for r in got] == [r["step"] for r in want]
+    for g, w in zip(got, want):
+        assert set(g) == set(w), sorted(set(g) ^ set(w))
+        for k in w:
+            # the absolute floor is for values near 0 that are sums of opposite signs (loss)
+            np.testing.assert_allclose(g[k], w[k], rtol=1e-5, atol=1e-6,
+                                       err_msg=f"step {w['step']} {k}")
+        # rewards follow from the tokens alone: bit for bit
+        assert (g["reward_mean"], g["reward_std"]) == (w["reward_mean"], w["reward_std"])
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("one")
+    results = _launch(_write_config(tmp, tmp / "run"), 1)
+    assert results[0]["rc"] == 0, results[0]["err"]
+    return {"metrics": _metrics(tmp / "run"), "responses": _merged(results)}
+
+
+def test_two_processes_equal_one(tmp_path, one_process):
+    run_dir = tmp_path / "run"
+    results = _launch(_write_config(tmp_path, run_dir), 2)
+    assert [r["rc"] for r in results] == [0, 0], results[0]["err"] + results[1]["err"]
+    # each process sampled half of every step's prompts; together, the one process's rows
+    assert all(len(r["responses"][0]) == len(one_process["responses"][0]) // 2
+               for r in results)
+    assert _merged(results) == one_process["responses"]
+    _assert_same_metrics(_metrics(run_dir), one_process["metrics"])
+    # process 0 alone wrote the run folder's files; both wrote the checkpoint after the last step
+    assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml",
+                                                        "metrics.jsonl"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.isdigit()) == [str(STEPS)]
+
+
+@pytest.mark.slow
+def test_sigterm_to_both_leaves_one_checkpoint_that_two_processes_resume(tmp_path,
+                                                                         one_process):
+    run_dir = tmp_path / "run"
+    config = _write_config(tmp_path, run_dir)
+    # both processes get SIGTERM as step 1's rollout starts: the step is abandoned on both
+    results = _launch(config, 2, sigterm_at=2)
+    assert [r["rc"] for r in results] == [128 + signal.SIGTERM] * 2, [r["err"] for r in results]
+    assert all("saved checkpoint 1" in r["err"] for r in results), results[0]["err"]
+    assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
+                  if p.name.isdigit()) == ["1"]
+    assert [r["step"] for r in _metrics(run_dir)] == [0]
+    resumed = _launch(config, 2, resume=True)
+    assert [r["rc"] for r in resumed] == [0, 0], resumed[0]["err"] + resumed[1]["err"]
+    assert _merged(resumed) == one_process["responses"][1:]
+    _assert_same_metrics(_metrics(run_dir), one_process["metrics"])
+
+
+# ------------------------------------------------------------------------------ the worker
+def _worker(config_path: str, out_path: str, resume: bool) -> int:
+    from sparrow_jax import distributed
+
+    distributed.initialize()    # before anything touches a device
+    from sparrow_jax.rl import trainer as trainer_mod
+    from sparrow_jax.rl.config import load_train_config
+    from sparrow_jax.rl.interrupt import TrainingInterrupted
+
+    config = load_train_config(config_path)
+    inner = trainer_mod.engine_rollout_fn(config, config.budget_schedule)
+    responses, calls = [], []
+    sigterm_at = int(os.environ.get("SPARROW_TEST_SIGTERM_AT", 0))
+
+    def rollout_fn(model, prompts, key, n, **extra):
+        calls.append(1)
+        if len(calls) == sigterm_at:
+            os.kill(os.getpid(), signal.SIGTERM)
+        out = inner(model, prompts, key, n, **extra)
+        responses.append(trainer_mod.responses_of(out))
+        return out
+
+    try:
+        trainer_mod.train(config, resume=resume, rollout_fn=rollout_fn)
+        rc = 0
+    except TrainingInterrupted as e:
+        print(f"worker: {e}", file=sys.stderr)
+        rc = e.exit_status
+    Path(out_path).write_text(json.dumps(responses))
+    return rc
+
+
+if __name__ == "__main__":
+    sys.exit(_worker(sys.argv[1], sys.argv[2], "--resume" in sys.argv[3:]))
