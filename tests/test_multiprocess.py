@@ -101,6 +101,36 @@ def _assert_same_metrics(got, want):
         assert (g["reward_mean"], g["reward_std"]) == (w["reward_mean"], w["reward_std"])
 
 
+# ------------------------------------------------------------------------------ one process
+def test_initialize_is_a_no_op_for_one_process_and_names_missing_settings(monkeypatch):
+    from sparrow_jax import distributed
+
+    for name in (distributed.ENV_COORDINATOR, distributed.ENV_NUM_PROCESSES,
+                 distributed.ENV_PROCESS_ID):
+        monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(distributed, "_initialized", False)
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "2")
+    with pytest.raises(ValueError, match=r"missing \['coordinator', 'process_id'\]"):
+        distributed.initialize()
+    monkeypatch.setenv(distributed.ENV_NUM_PROCESSES, "two")
+    with pytest.raises(ValueError, match="SPARROW_NUM_PROCESSES must be an int, got 'two'"):
+        distributed.initialize()
+    with pytest.raises(ValueError, match=r"SPARROW_PROCESS_ID must be in \[0, 2\), got 2"):
+        distributed.initialize("127.0.0.1:1", 2, 2)
+    monkeypatch.delenv(distributed.ENV_NUM_PROCESSES)
+    assert distributed.initialize() is False and distributed.is_primary()
+    x = np.array([[1.0, 2.0], [3.0, 4.0]])
+    np.testing.assert_array_equal(distributed.allgather_rows(x), x)
+    assert distributed.any_process(True) and not distributed.any_process(False)
+    assert distributed.max_over_processes(7) == 7
+
+
+def test_process_share_and_gather_are_the_identity_for_one_process():
+    from sparrow_jax.rl.trainer import process_share
+
+    assert process_share(8) == slice(0, 8)
+
+
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("one")

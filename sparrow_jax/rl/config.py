@@ -142,7 +142,7 @@ class UpdateConfig:
     length_multiple: int = 64      # micro-batch lengths round up to this (bounds recompiles)
     chunk_size: int = 1024         # LM-head positions per chunk
     fuse_recompute: bool = True    # the first mini-batch's forward is its rows' dense recompute
-    remat: bool = True             # rematerialise layers in the update's backward (DESIGN 3.0)
+    remat: bool = True             # rematerialise layers in the update's backward (docs/design.md, section 1)
     loss: LossConfig = LossConfig()
 
     def __post_init__(self):
@@ -152,7 +152,7 @@ class UpdateConfig:
 
 @dataclasses.dataclass(frozen=True)
 class MismatchSettings:
-    """Tail statistic of DESIGN 3.4 (bins of the step's ``lengths``)."""
+    """Tail statistic of docs/design.md, section 5 (bins of the step's ``lengths``)."""
 
     bin_tokens: int = 2000
     num_bins: int = 20

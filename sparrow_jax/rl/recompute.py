@@ -1,4 +1,4 @@
-"""The dense policy's view of a rollout's response tokens (DESIGN 3.0, 3.4, 3.7).
+"""The dense policy's view of a rollout's response tokens (docs/design.md, sections 1, 5 and 7).
 
 Every pass here runs the dense forward with LoRA off (the dense policy never depends on the
 sparse actor's adapter) and the LM head in chunks over response positions only, so nothing of

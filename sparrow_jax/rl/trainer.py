@@ -115,7 +115,7 @@ def check_rollout(rollout: Rollout, num_prompts: int, n: int) -> None:
 
 def mismatch_metrics(rollout: Rollout, dense: DenseStats, bin_tokens: int, num_bins: int,
                      min_count: int, page_size: int) -> dict[str, float]:
-    """Acceptance rates (``topk_bound`` and ``paper`` estimators, DESIGN 3.4), their mean, 5th
+    """Acceptance rates (``topk_bound`` and ``paper`` estimators, docs/design.md, section 5), their mean, 5th
     percentile over all response tokens and tail statistic per length bin, and the fraction of
     decode steps that ran sparse (``ceil(lengths / P) > budget``)."""
     from sparrow_jax.mismatch import (acceptance_rate_paper, acceptance_rate_topk_bound,
@@ -124,7 +124,7 @@ def mismatch_metrics(rollout: Rollout, dense: DenseStats, bin_tokens: int, num_b
     mask = np.asarray(rollout.response_mask)
     r = mask.shape[1]
     # Response token j is sampled at the step whose query sits at index p + j - 1, so that
-    # step's ``lengths`` (DESIGN 3.1) is p + j.
+    # step's ``lengths`` (docs/design.md, section 2) is p + j.
     lengths = np.asarray(rollout.prompt_lengths)[:, None] + np.arange(r)[None, :]
     alphas = {
         "topk_bound": acceptance_rate_topk_bound(dense.actor_topk_logprobs,
