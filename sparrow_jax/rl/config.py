@@ -142,7 +142,8 @@ class UpdateConfig:
     length_multiple: int = 64      # micro-batch lengths round up to this (bounds recompiles)
     chunk_size: int = 1024         # LM-head positions per chunk
     fuse_recompute: bool = True    # the first mini-batch's forward is its rows' dense recompute
-    remat: bool = True             # rematerialise layers in the update's backward (docs/design.md, section 1)
+    remat: bool = True             # rematerialise layers in the update's backward
+    #                                (docs/design.md, section 1)
     loss: LossConfig = LossConfig()
 
     def __post_init__(self):

@@ -115,9 +115,9 @@ def check_rollout(rollout: Rollout, num_prompts: int, n: int) -> None:
 
 def mismatch_metrics(rollout: Rollout, dense: DenseStats, bin_tokens: int, num_bins: int,
                      min_count: int, page_size: int) -> dict[str, float]:
-    """Acceptance rates (``topk_bound`` and ``paper`` estimators, docs/design.md, section 5), their mean, 5th
-    percentile over all response tokens and tail statistic per length bin, and the fraction of
-    decode steps that ran sparse (``ceil(lengths / P) > budget``)."""
+    """Acceptance rates (``topk_bound`` and ``paper`` estimators, docs/design.md, section 5),
+    their mean, 5th percentile over all response tokens and tail statistic per length bin, and
+    the fraction of decode steps that ran sparse (``ceil(lengths / P) > budget``)."""
     from sparrow_jax.mismatch import (acceptance_rate_paper, acceptance_rate_topk_bound,
                                       tail_statistic)
 
