@@ -1,0 +1,134 @@
+"""Continuous refill against the static engine: the same samples, whatever the slot count, the
+admission order or preemption; every sample back exactly once; every page free after a run."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.rollout.engine import RolloutConfig, generate
+from sparrow_jax.rollout.refill import generate_refill, run_refill
+from sparrow_jax.schedule import BudgetSchedule
+
+P = 4
+V = 48
+CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+LENGTHS = (5, 8, 21, 3, 13)
+N = 3
+R = 12
+# One sample of the longest prompt needs ceil((21 + 12) / 4) = 9 pages: a pool of 14 (the null
+# page included) runs a handful of rows at once and must preempt; 200 never does.
+SMALL_POOL = 14
+BIG_POOL = 200
+SCHEDULES = {"dense": None, "sparse": BudgetSchedule.fixed(3, page_size=P)}
+
+
+@pytest.fixture(scope="module")
+def model():
+    return init_model(CFG, seed=0)
+
+
+def _prompts():
+    rng = np.random.default_rng(0)
+    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
+
+
+def _config(temperature, num_pages):
+    # EOS ids end most responses early (a mix of lengths); steps_per_call 3 gives many chunks
+    # (admission and growth between them); one table width: one compilation per slot count.
+    return RolloutConfig(n=N, max_new_tokens=R, temperature=temperature, page_size=P,
+                         prompt_multiple=32, steps_per_call=3, dense_layers=(0,), page_seed=3,
+                         eos_ids=(7, 11, 19), table_bucket_pages=None, num_pages=num_pages)
+
+
+_STATIC = {}
+
+
+def _static(model, temperature, schedule_name):
+    """The static engine's rollout (cached per case: the reference of several slot counts)."""
+    case = (temperature, schedule_name)
+    if case not in _STATIC:
+        _STATIC[case] = generate(model, _prompts(), _config(temperature, BIG_POOL),
+                                 jax.random.key(5), SCHEDULES[schedule_name])
+    return _STATIC[case]
+
+
+def _rows(ro):
+    """Per row: (prompt index, response tokens, log-probs, budgets, finish reason)."""
+    tokens, pl, rl = map(np.asarray, (ro.tokens, ro.prompt_lengths, ro.response_lengths))
+    lp, bud, fin = np.asarray(ro.logprobs), np.asarray(ro.budget_pages), np.asarray(
+        ro.finish_reason)
+    index = np.asarray(ro.prompt_index)
+    return [(int(index[b]), tokens[b, pl[b]:pl[b] + rl[b]].tolist(), lp[b, :rl[b]],
+             bud[b, :rl[b]], int(fin[b])) for b in range(len(pl))]
+
+
+def _check_same(got, want):
+    assert got.tokens.shape == want.tokens.shape
+    np.testing.assert_array_equal(got.prompt_index, want.prompt_index)
+    np.testing.assert_array_equal(got.prompt_lengths, want.prompt_lengths)
+    for b, (g, w) in enumerate(zip(_rows(got), _rows(want))):
+        assert g[0] == w[0] and g[1] == w[1] and g[4] == w[4], b
+        np.testing.assert_allclose(g[2], w[2], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(g[3], w[3])
+
+
+def _run(model, temperature, schedule_name, slots, pool):
+    ro, stats = run_refill(model, _prompts(), _config(temperature, pool), jax.random.key(5),
+                           SCHEDULES[schedule_name], slots=slots)
+    # Every sample came back exactly once (each row written by one harvest), every page freed.
+    assert stats.admissions - stats.preemptions == len(LENGTHS) * N
+    assert stats.pages_in_use_after == 0 and stats.sequences_after == 0
+    assert stats.peak_pages <= pool - 1
+    assert (np.asarray(ro.finish_reason) >= 0).all()
+    return ro, stats
+
+
+CASES = [(0.0, "dense"), (1.0, "sparse")]
+
+
+@pytest.mark.parametrize("temperature,schedule_name", CASES)
+@pytest.mark.parametrize("slots", [2, 5, 16])
+def test_refill_equals_static(model, temperature, schedule_name, slots):
+    want = _static(model, temperature, schedule_name)
+    # The responses vary in length (refill has something to do) and differ between samples.
+    lengths = np.asarray(want.response_lengths)
+    assert lengths.min() < R and len(set(lengths.tolist())) >= 2
+    ro, stats = _run(model, temperature, schedule_name, slots, BIG_POOL)
+    assert stats.preemptions == 0
+    _check_same(ro, want)
+    ro, stats = _run(model, temperature, schedule_name, slots, SMALL_POOL)
+    assert stats.preemptions > 0 or slots == 2
+    _check_same(ro, want)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("temperature,schedule_name", [(1.0, "dense"), (0.0, "sparse")])
+@pytest.mark.parametrize("slots", [2, 5, 16])
+def test_refill_equals_static_other_cases(model, temperature, schedule_name, slots):
+    want = _static(model, temperature, schedule_name)
+    for pool in (BIG_POOL, SMALL_POOL):
+        _check_same(_run(model, temperature, schedule_name, slots, pool)[0], want)
+
+
+def test_refill_pool_too_small(model):
+    with pytest.raises(ValueError, match="cannot hold one sample"):
+        generate_refill(model, _prompts(), _config(0.0, 9), jax.random.key(0), slots=2)
+
+
+def test_refill_one_slot_matches_with_more_samples(model):
+    # n = 4 through one slot: each sample prefilled alone; samples 0 .. 2 are those of n = 3.
+    config = dataclasses.replace(_config(1.0, SMALL_POOL), n=4)
+    ro = generate_refill(model, _prompts()[:2], config, jax.random.key(5),
+                         SCHEDULES["sparse"], slots=1)
+    want = _rows(_static(model, 1.0, "sparse"))
+    got = _rows(ro)
+    for i in range(2):
+        for j in range(N):
+            assert got[i * 4 + j][1] == want[i * N + j][1], (i, j)
