@@ -38,6 +38,10 @@ _EXPORTS = {
     "rollout_cost_dense": "sparrow_jax.schedule",
     "rollout_cost_sparse": "sparrow_jax.schedule",
     "DecodeCost": "sparrow_jax.cost_model",
+    "sparse_logits": "sparrow_jax.sparse_actor",
+    "sparse_logprobs": "sparrow_jax.sparse_actor",
+    "CalibrateConfig": "sparrow_jax.calibrate",
+    "load_calibrate_config": "sparrow_jax.calibrate",
     # rollout
     "generate": "sparrow_jax.rollout.engine",
     "RolloutConfig": "sparrow_jax.rollout.engine",

@@ -3,12 +3,12 @@
 Each subcommand lives in its own module, registered in :data:`SUBCOMMANDS` as
 ``name -> (one-line help, module)``. The module defines ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status) and keeps heavy imports (jax) inside ``run`` so that
-``sparrow --help`` stays fast. Only working subcommands are registered; ``calibrate`` and
-``bench`` are planned (the help's epilog says so).
+``sparrow --help`` stays fast. Only working subcommands are registered; ``bench`` is planned
+(the help's epilog says so).
 
 Every subcommand takes ``--config FILE.yaml``: its keys are the subcommand's long options
 (``max_new_tokens: 64``); options given on the command line override the file. A module that
-sets ``CONFIG_IS_RUN_CONFIG = True`` (``train``) reads the file itself, as its run config.
+sets ``CONFIG_IS_RUN_CONFIG = True`` (``train``, ``calibrate``) reads the file itself, as its run config.
 """
 
 from __future__ import annotations
@@ -25,9 +25,10 @@ SUBCOMMANDS: dict[str, tuple[str, str | None]] = {
     "train": ("GRPO training with sparse rollouts and dense recomputation",
               "sparrow_jax.commands.train"),
     "plot": ("PNG curves of a training run's metrics", "sparrow_jax.commands.plot"),
+    "calibrate": ("a budget schedule measured for a model and prompts (measure, search, "
+                  "validate)", "sparrow_jax.commands.calibrate"),
 }
-PLANNED = ("not built yet: `calibrate` (for now scripts/measure_mismatch.py) and `bench` "
-           "(for now scripts/bench_*.py)")
+PLANNED = "not built yet: `bench` (for now scripts/bench_*.py)"
 
 
 class CliError(ValueError):
