@@ -139,6 +139,7 @@ def one_process(tmp_path_factory):
     return {"metrics": _metrics(tmp / "run"), "responses": _merged(results)}
 
 
+@pytest.mark.slow   # ~150 s on the shared 2-core machine: over the default suite's budget
 def test_two_processes_equal_one(tmp_path, one_process):
     run_dir = tmp_path / "run"
     results = _launch(_write_config(tmp_path, run_dir), 2)
