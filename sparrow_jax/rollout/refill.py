@@ -91,17 +91,23 @@ class _Slot:
 
 def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
                     key: jax.Array, schedule: BudgetSchedule | None = None, *, slots: int,
-                    lora: bool = False, prompt_ids: Sequence[int] | None = None) -> Rollout:
+                    prefill_rows: int | None = None, lora: bool = False,
+                    prompt_ids: Sequence[int] | None = None) -> Rollout:
     """:func:`~sparrow_jax.rollout.engine.generate` with ``slots`` decode slots refilled as rows
     finish, pages allocated as rows grow from a pool of ``config.num_pages`` (sized as
     :func:`~sparrow_jax.rollout.engine.pool_size` says). Same arguments and result layout (rows
-    ``i*n .. i*n+n-1`` answer prompt i), same tokens per sample."""
-    return run_refill(model, prompts, config, key, schedule, slots=slots, lora=lora,
-                      prompt_ids=prompt_ids)[0]
+    ``i*n .. i*n+n-1`` answer prompt i), same tokens per sample.
+
+    ``prefill_rows``: the rows one admission prefills, the newcomers padded to it (one
+    compilation); None: the next power of two of the newcomers, at most ``slots`` (less padded
+    work, a compilation per power)."""
+    return run_refill(model, prompts, config, key, schedule, slots=slots,
+                      prefill_rows=prefill_rows, lora=lora, prompt_ids=prompt_ids)[0]
 
 
 def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
-               schedule: BudgetSchedule | None = None, *, slots: int, lora: bool = False,
+               schedule: BudgetSchedule | None = None, *, slots: int,
+               prefill_rows: int | None = None, lora: bool = False,
                prompt_ids: Sequence[int] | None = None) -> tuple[Rollout, RefillStats]:
     """:func:`generate_refill` -> (rollout, :class:`RefillStats`)."""
     cfg = model.config
@@ -113,6 +119,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         check_tokens(p, cfg.vocab_size)
     if slots < 1:
         raise ValueError(f"generate_refill: slots must be >= 1, got {slots}")
+    if prefill_rows is not None and not 1 <= prefill_rows <= slots:
+        raise ValueError(f"generate_refill: prefill_rows must be in [1, slots={slots}], got "
+                         f"{prefill_rows}")
     if schedule is not None and schedule.page_size != config.page_size:
         raise ValueError(f"the schedule counts pages of {schedule.page_size} tokens, the cache "
                          f"{config.page_size}")
@@ -186,7 +195,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                 h.pages += more
 
         state = _admit_pending(state, queue, held, table, alloc, counters, graphdef, params,
-                               tokens, lengths, ids, key, static, config, width)
+                               tokens, lengths, ids, key, static, config, width, prefill_rows)
         peak = max(peak, alloc.num_usable - alloc.num_free)
         if all(h is None for h in held):
             raise RuntimeError("generate_refill: no sample could be admitted into an empty pool")
@@ -223,16 +232,19 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
 
 def _admit_pending(state: _Loop, queue, held, table, alloc: GrowingPageAllocator, counters,
                    graphdef, params, tokens, lengths, ids, key, static: _Static,
-                   config: RolloutConfig, width: int) -> _Loop:
+                   config: RolloutConfig, width: int, prefill_rows: int | None) -> _Loop:
     """Admits queued samples in order while a slot is free and the pool holds their prompt pages
     and first chunk; prefills them (one call) and scatters them into their slots."""
     p, r, c = config.page_size, config.max_new_tokens, config.steps_per_call
     first = min(c, r)
     free_slots = [s for s, h in enumerate(held) if h is None]
     groups: list[list] = []          # [prompt, samples]
-    budget = alloc.num_free
+    # Keep back the pages the running rows take in the next chunk, so that newcomers are not
+    # preempted by the growth of the rows already there (thrashing); an empty batch admits.
+    reserve = sum(-(-c // p) + 1 for h in held if h is not None)
+    budget = alloc.num_free - reserve if len(free_slots) < len(held) else alloc.num_free
     taken = 0
-    while queue and taken < len(free_slots):
+    while queue and taken < min(len(free_slots), prefill_rows or len(free_slots)):
         i, j = queue[0]
         new_group = not groups or groups[-1][0] != i
         cost = int(pages_needed(lengths[i], 1 if new_group else 2, first, p)[0])
@@ -249,7 +261,8 @@ def _admit_pending(state: _Loop, queue, held, table, alloc: GrowingPageAllocator
     if not taken:
         return state
 
-    k = 1 << (taken - 1).bit_length()    # rows and prompt entries, bucketed (few compilations)
+    # Rows and prompt entries, bucketed to powers of two (a compilation each), at most S.
+    k = min(1 << (taken - 1).bit_length(), len(held)) if prefill_rows is None else prefill_rows
     prompts = [g[0] for g in groups]
     counts = [len(g[1]) for g in groups]
     a = alloc.allocate(lengths[prompts], counts, first, max_pages_per_seq=width)
