@@ -19,6 +19,7 @@ from typing import Any
 
 from sparrow_jax.config import ConfigError, from_dict, unknown_name
 from sparrow_jax.data import DataConfig
+from sparrow_jax.models.lora import LORA_TARGETS, LoRAConfig
 from sparrow_jax.rl.losses import LossConfig
 from sparrow_jax.rollout.engine import RolloutConfig
 from sparrow_jax.sharding import MeshConfig
@@ -131,6 +132,54 @@ class OptimConfig:
 
 
 @dataclasses.dataclass(frozen=True)
+class DistillConfig:
+    """DistillSparse settings (``distill:`` in a train YAML).
+
+    enabled: train the sparse actor's LoRA each step (rollouts then run with it on).
+    rank, alpha, targets: the adapter (:class:`~sparrow_jax.models.lora.LoRAConfig`).
+    lambda_kl: weight of the k3 pull toward the dense policy.
+    lr_multiple: the adapter's learning rate as a multiple of the policy's (``optim``); the
+      other AdamW settings are the policy's.
+    eval_every: every this many steps, the step's rollout is also scored by the sparse actor
+      without its adapter (``alpha_paper_*_nolora`` metrics), so the adapter's gain is measured;
+      0: never.
+    """
+
+    enabled: bool = False
+    rank: int = 16
+    alpha: float = 16.0
+    targets: tuple[str, ...] = LORA_TARGETS
+    lambda_kl: float = 0.001
+    lr_multiple: float = 5.0
+    eval_every: int = 1
+
+    def __post_init__(self):
+        object.__setattr__(self, "targets", tuple(self.targets))
+        if not isinstance(self.rank, int) or self.rank <= 0:
+            raise ConfigError(f"distill.rank must be a positive int, got {self.rank!r}")
+        if not self.alpha > 0:
+            raise ConfigError(f"distill.alpha must be positive, got {self.alpha!r}")
+        bad = sorted(set(self.targets) - set(LORA_TARGETS))
+        if bad or not self.targets:
+            raise ConfigError(f"distill.targets must be a non-empty subset of {LORA_TARGETS}, "
+                              f"got {self.targets!r}")
+        if not self.lambda_kl >= 0:
+            raise ConfigError(f"distill.lambda_kl must be >= 0, got {self.lambda_kl!r}")
+        if not self.lr_multiple > 0:
+            raise ConfigError(f"distill.lr_multiple must be positive, got {self.lr_multiple!r}")
+        if not isinstance(self.eval_every, int) or self.eval_every < 0:
+            raise ConfigError(f"distill.eval_every must be an int >= 0, got {self.eval_every!r}")
+
+    @property
+    def lora(self) -> LoRAConfig:
+        return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
+
+    def optim(self, policy: OptimConfig) -> OptimConfig:
+        """The adapter's AdamW: the policy's, at ``lr_multiple`` times its learning rate."""
+        return dataclasses.replace(policy, learning_rate=policy.learning_rate * self.lr_multiple)
+
+
+@dataclasses.dataclass(frozen=True)
 class UpdateConfig:
     """How one rollout batch becomes optimizer steps: ``epochs`` passes over it, each split into
     ``mini_batches`` optimizer steps, each accumulated over micro-batches of
@@ -199,6 +248,7 @@ class TrainConfig:
     schedule: dict[str, Any] | None = None      # budget schedule (see build_schedule)
     update: UpdateConfig = UpdateConfig()
     optim: OptimConfig = OptimConfig()
+    distill: DistillConfig = DistillConfig()    # DistillSparse (docs/design.md, section 8)
     mismatch: MismatchSettings = MismatchSettings()
     checkpoint_every: int = 10
     keep_checkpoints: int = 3

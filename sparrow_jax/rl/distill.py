@@ -32,10 +32,10 @@ import optax
 from flax import nnx
 
 from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
-from sparrow_jax.config import ConfigError
 from sparrow_jax.models.lm_head import head_outputs
-from sparrow_jax.models.lora import LORA_TARGETS, LoRAConfig, LoRAParam
-from sparrow_jax.rl.config import OptimConfig, UpdateConfig
+from sparrow_jax.models.lora import LoRAParam
+# DistillConfig lives with the trainer's other configs (TrainConfig.distill); re-exported here.
+from sparrow_jax.rl.config import DistillConfig, OptimConfig, UpdateConfig  # noqa: F401
 from sparrow_jax.rl.losses import LossConfig, grpo_loss
 from sparrow_jax.rl.recompute import (gather_rows, plan_micro_batches, response_rows,
                                      response_tokens, round_up)
@@ -44,48 +44,6 @@ from sparrow_jax.rollout.types import Rollout
 
 K_CLIP = 20.0    # |log p_dense - log p_student| cap inside the k3 estimator
 K3_CLIP = 10.0   # per-token cap of the k3 value
-
-
-@dataclasses.dataclass(frozen=True)
-class DistillConfig:
-    """DistillSparse settings (``distill:`` in a train YAML).
-
-    enabled: train the sparse actor's LoRA each step (rollouts then run with it on).
-    rank, alpha, targets: the adapter (:class:`~sparrow_jax.models.lora.LoRAConfig`).
-    lambda_kl: weight of the k3 pull toward the dense policy.
-    lr_multiple: the adapter's learning rate as a multiple of the policy's (``optim``); the
-      other AdamW settings are the policy's.
-    """
-
-    enabled: bool = False
-    rank: int = 16
-    alpha: float = 16.0
-    targets: tuple[str, ...] = LORA_TARGETS
-    lambda_kl: float = 0.001
-    lr_multiple: float = 5.0
-
-    def __post_init__(self):
-        object.__setattr__(self, "targets", tuple(self.targets))
-        if not isinstance(self.rank, int) or self.rank <= 0:
-            raise ConfigError(f"distill.rank must be a positive int, got {self.rank!r}")
-        if not self.alpha > 0:
-            raise ConfigError(f"distill.alpha must be positive, got {self.alpha!r}")
-        bad = sorted(set(self.targets) - set(LORA_TARGETS))
-        if bad or not self.targets:
-            raise ConfigError(f"distill.targets must be a non-empty subset of {LORA_TARGETS}, "
-                              f"got {self.targets!r}")
-        if not self.lambda_kl >= 0:
-            raise ConfigError(f"distill.lambda_kl must be >= 0, got {self.lambda_kl!r}")
-        if not self.lr_multiple > 0:
-            raise ConfigError(f"distill.lr_multiple must be positive, got {self.lr_multiple!r}")
-
-    @property
-    def lora(self) -> LoRAConfig:
-        return LoRAConfig(rank=self.rank, alpha=self.alpha, targets=self.targets)
-
-    def optim(self, policy: OptimConfig) -> OptimConfig:
-        """The adapter's AdamW: the policy's, at ``lr_multiple`` times its learning rate."""
-        return dataclasses.replace(policy, learning_rate=policy.learning_rate * self.lr_multiple)
 
 
 @dataclasses.dataclass(frozen=True)

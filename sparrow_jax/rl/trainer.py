@@ -26,6 +26,15 @@ run as one program over the global mesh. The result equals one process's: the ba
 streams (global prompt ids) and the row order do not depend on the split. Only process 0
 writes the run folder's logs, metrics and config; every process writes its checkpoint shards.
 A stop signal is agreed on at the step's safe points, so all processes stop at the same step.
+
+DistillSparse (``config.distill``, docs/design.md, section 8): the policy gets LoRA adapters at
+init (seeded from the run's seed), rollouts run with them on (the sparse actor), the recompute
+and GRPO update with them off, unchanged. After the GRPO update the adapters take their own
+AdamW steps on the same rollout batch, with the student built from the dense weights as they
+were before the GRPO step (a reference kept across it: one extra copy of the dense weights while
+the update runs), so the student is the actor that sampled the batch and ``logp_dense`` (the
+recompute, fused rows included) comes from those same weights. The adapters and their optimizer
+state are checkpointed with the rest.
 """
 
 from __future__ import annotations
@@ -47,6 +56,7 @@ from sparrow_jax.config import ConfigError, to_dict
 from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
+from sparrow_jax.rl.distill import DistillBatch, DistillUpdater, SparseRule
 from sparrow_jax.rl.interrupt import StepAbandoned, StopSignals, TrainingInterrupted
 from sparrow_jax.rl.recompute import DenseStats, recompute
 from sparrow_jax.rl.rewards import get_reward, score_batch
@@ -87,12 +97,14 @@ def load_policy(spec: ModelSpec, mesh: jax.sharding.Mesh | None = None):
 
 def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
     """The sparse rollout engine with the config's temperature-only sampling
-    (:meth:`RolloutSettings.rollout_config`)."""
+    (:meth:`RolloutSettings.rollout_config`); with ``distill`` on, the actor's LoRA on."""
     from sparrow_jax.rollout.engine import generate
+
+    lora = config.distill.enabled
 
     def rollout_fn(model, prompts, key, n, **extra):
         cfg = config.rollout.rollout_config(n, model.config.eos_token_ids)
-        return generate(model, prompts, cfg, key, schedule=schedule, **extra)
+        return generate(model, prompts, cfg, key, schedule=schedule, lora=lora, **extra)
 
     return rollout_fn
 
@@ -188,6 +200,9 @@ class Trainer:
                               f"split over {self.processes} processes")
         self.mesh = _mesh(config, self.processes)
         self.model, self.model_config = load_policy(config.model, self.mesh)
+        self.distill = self.distill_state = None
+        if config.distill.enabled:
+            self._attach_distill()
         self.schedule = config.budget_schedule
         self.rollout_fn = rollout_fn or engine_rollout_fn(config, self.schedule)
         self.reward_fn = get_reward(config.reward)
@@ -213,6 +228,21 @@ class Trainer:
         self.checkpointer = Checkpointer(run_dir / "checkpoints", keep=config.keep_checkpoints)
         self.stop = StopSignals()
 
+    def _attach_distill(self) -> None:
+        """LoRA adapters on the policy and their optimizer (docs/design.md, section 8)."""
+        from sparrow_jax.models.lora import attach_lora
+
+        cfg = self.config
+        if self.mesh is not None:
+            # Adapters are not yet laid out by their base weights' rules.
+            raise ConfigError("distill.enabled=true runs on one device only (no mesh, one "
+                              "process) for now")
+        attach_lora(self.model, cfg.distill.lora,
+                    jax.random.fold_in(jax.random.key(cfg.seed), _LORA_STREAM))
+        self.distill = DistillUpdater(cfg.distill, cfg.update, cfg.optim,
+                                      SparseRule.of(cfg.rollout.engine))
+        self.distill_state = self.distill.init(self.model)
+
     # -- checkpoints -------------------------------------------------------------------------
     def _arrays(self):
         key = jax.random.key_data(self.key)
@@ -221,8 +251,12 @@ class Trainer:
             # that orbax writes once and restores onto any mesh.
             key = jax.device_put(np.asarray(key), jax.sharding.NamedSharding(
                 self.mesh, jax.sharding.PartitionSpec()))
-        return {"params": nnx.state(self.model, nnx.Param), "opt_state": self.opt_state,
-                "key": key}
+        # params holds the LoRA adapters too (LoRAParam is an nnx.Param).
+        arrays = {"params": nnx.state(self.model, nnx.Param), "opt_state": self.opt_state,
+                  "key": key}
+        if self.distill is not None:
+            arrays["distill_opt_state"] = self.distill_state
+        return arrays
 
     def save(self) -> None:
         record = {"step": self.step, "data": self.iterator.state_dict(),
@@ -237,6 +271,8 @@ class Trainer:
         arrays, record = self.checkpointer.restore(step, self._arrays())
         nnx.update(self.model, arrays["params"])
         self.opt_state = arrays["opt_state"]
+        if self.distill is not None:
+            self.distill_state = arrays["distill_opt_state"]
         key = arrays["key"]
         if self.mesh is not None:
             key = jnp.asarray(np.asarray(key.addressable_data(0)))
@@ -331,6 +367,8 @@ class Trainer:
                                   micro_batch_size=u.micro_batch_size, top_k=cfg.mismatch.top_k,
                                   chunk_size=u.chunk_size, length_multiple=u.length_multiple)
 
+        # The dense weights that sampled this batch, for the LoRA update after the GRPO step.
+        before = nnx.clone(self.model) if self.distill is not None else None
         with timer("update"):
             batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
                                 np.asarray(rollout.response_lengths), dense.logprobs.copy(),
@@ -339,8 +377,35 @@ class Trainer:
             self.opt_state, update_metrics = self.updater.update(
                 self.model, self.opt_state, batch, plan, temperature, self.step,
                 fused=dense if u.fuse_recompute else None)
+        if self.distill is not None:
+            update_metrics.update(self._distill_step(before, rollout, dense, advantages, plan,
+                                                     timer))
         self.step += 1
         return step_metrics(cfg, rollout, dense, rewards, update_metrics, timer.seconds)
+
+    def _distill_step(self, student, rollout: Rollout, dense: DenseStats, advantages, plan,
+                      timer) -> dict[str, float]:
+        """The LoRA update on ``student`` (this step's pre-update dense weights, adapters as they
+        sampled the batch), copied into the policy; every ``distill.eval_every`` steps also the
+        alpha of the same rollout under the actor without its LoRA."""
+        from sparrow_jax.models.lora import LoRAParam
+
+        cfg = self.config
+        temperature = cfg.rollout.temperature
+        out = {}
+        every = cfg.distill.eval_every
+        if every and self.step % every == 0:
+            from sparrow_jax.rl.distill_eval import alpha_without_lora
+
+            with timer("distill_eval"):
+                out.update(alpha_without_lora(student, rollout, dense, temperature,
+                                              self.distill.rule, cfg.update))
+        with timer("distill"):
+            batch = DistillBatch.of(rollout, dense.logprobs, advantages)
+            self.distill_state, metrics = self.distill.update(
+                student, self.distill_state, batch, plan, temperature, self.step)
+            nnx.update(self.model, nnx.state(student, LoRAParam))
+        return {**metrics, **out}
 
     def evaluate(self, step: int) -> dict[str, float]:
         """mean@k and best@k on the held-out prompts, after ``step``; its random stream is
@@ -438,6 +503,7 @@ def _mesh(config: TrainConfig, processes: int) -> jax.sharding.Mesh | None:
 
 
 _EVAL_STREAM = 0x65766131  # folded into the seed's key: evaluation's own random stream
+_LORA_STREAM = 0x6c6f7261  # folded into the seed's key: the LoRA adapters' initialisation
 
 
 class _Timer:

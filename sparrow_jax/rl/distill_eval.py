@@ -1,0 +1,91 @@
+"""The DistillSparse gain, measured on a step's own rollout (docs/design.md, sections 5 and 8).
+
+The sparse actor is replayed over the rollout (teacher-forced sparse forward at the recorded
+budgets, the rollout's selection rule, :mod:`sparrow_jax.rl.distill`) with its LoRA on or off,
+and its top-k log-probs at each response slot compared with the dense recompute's by the
+``paper`` acceptance-rate estimator. With the LoRA on this reproduces the rollout's own alpha;
+with it off it is the alpha the same dense weights would reach without the adapter.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
+from sparrow_jax.models.lm_head import map_positions, scaled_logits
+from sparrow_jax.rl.config import UpdateConfig
+from sparrow_jax.rl.distill import SparseRule, position_budgets
+from sparrow_jax.rl.recompute import (DenseStats, HostRollout, gather_rows, plan_micro_batches,
+                                     response_rows, round_up)
+from sparrow_jax.rollout.types import Rollout
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
+    "response_capacity", "temperature", "rule", "top_k", "chunk_size", "lora"))
+def _actor_topk(graphdef, state, tokens, prompt_lengths, budget_pages, *, response_capacity,
+                temperature, rule, top_k, chunk_size, lora):
+    model = nnx.merge(graphdef, state)
+    attend = make_teacher_forced_attend(page_size=rule.page_size, scorer=rule.scorer,
+                                        dense_layers=rule.dense_layers,
+                                        chunk_size=rule.query_chunk)
+    budgets = TeacherForcedBudgets(position_budgets(budget_pages, prompt_lengths,
+                                                    tokens.shape[1], rule.page_size),
+                                   prompt_lengths)
+    hidden, _ = model.forward(tokens, attend=attend, state=budgets, lora=lora)
+    h = response_rows(hidden, prompt_lengths, response_capacity)
+    b, r, d = h.shape
+    w = model.head_weight()
+
+    def body(hc):
+        logits = scaled_logits(hc, w, temperature)
+        lp, ids = jax.lax.top_k(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True), top_k)
+        return ids.astype(jnp.int32), lp
+
+    ids, lp = map_positions(body, (h.reshape(b * r, d),), chunk_size=chunk_size, remat=False)
+    return ids.reshape(b, r, top_k), lp.reshape(b, r, top_k)
+
+
+def actor_topk(model, rollout: Rollout, temperature: float, rule: SparseRule,
+               config: UpdateConfig, *, lora: bool) -> tuple[np.ndarray, np.ndarray]:
+    """The sparse actor's top-k (k: the rollout's) over ``rollout``'s response slots -> host
+    (ids ``[S, R, k]`` int32, log-probs ``[S, R, k]``), zero past each response; in
+    length-bucketed micro-batches of ``config``, no gradient."""
+    host = HostRollout.of(rollout)
+    budget_pages = np.asarray(rollout.budget_pages)
+    s, r, k = host.topk_ids.shape
+    ids, lps = np.zeros((s, r, k), np.int32), np.zeros((s, r, k), np.float32)
+    total = host.total_lengths
+    graphdef, state = nnx.split(model)
+    arrays = {"tokens": host.tokens, "prompt_lengths": host.prompt_lengths,
+              "budget_pages": budget_pages}
+    for micro in plan_micro_batches(np.arange(s), total, config.micro_batch_size):
+        t_len = round_up(total[micro].max(), config.length_multiple)
+        r_len = round_up(host.response_lengths[micro].max(), config.length_multiple)
+        mb = gather_rows(micro, config.micro_batch_size, arrays, t_len, r_len)
+        i, lp = _actor_topk(graphdef, state, *(jnp.asarray(mb[name]) for name in arrays),
+                            response_capacity=r_len, temperature=float(temperature), rule=rule,
+                            top_k=k, chunk_size=config.chunk_size, lora=lora)
+        keep = min(r, r_len)
+        valid = (np.arange(keep)[None, :] < host.response_lengths[micro][:, None])[..., None]
+        ids[micro, :keep] = np.where(valid, np.asarray(i)[:len(micro), :keep], 0)
+        lps[micro, :keep] = np.where(valid, np.asarray(lp)[:len(micro), :keep], 0.0)
+    return ids, lps
+
+
+def alpha_without_lora(model, rollout: Rollout, dense: DenseStats, temperature: float,
+                       rule: SparseRule, config: UpdateConfig) -> dict[str, float]:
+    """``alpha_paper_mean_nolora`` and ``alpha_paper_p5_nolora``: the ``paper`` acceptance rate
+    of the sparse actor without its LoRA (``model``'s dense weights: those of the rollout and of
+    ``dense``) over all response tokens, to set beside the rollout's ``alpha_paper_*``."""
+    from sparrow_jax.mismatch import acceptance_rate_paper
+
+    ids, lps = actor_topk(model, rollout, temperature, rule, config, lora=False)
+    alpha = np.asarray(acceptance_rate_paper(dense.topk_ids, dense.topk_logprobs, ids, lps))
+    a = alpha[np.asarray(rollout.response_mask)]
+    return {"alpha_paper_mean_nolora": float(a.mean()),
+            "alpha_paper_p5_nolora": float(np.percentile(a, 5))}
