@@ -122,47 +122,52 @@ def test_raise_missed_bins_steps_one_candidate():
     assert raise_missed_bins(BudgetSchedule.from_table([1, 8]), [1], [1, 8]) is None
 
 
-def test_recorded_topk_alphas_equal_the_teacher_forced_ones(model):
-    """Validation's alphas (the rollout's recorded top-k against the dense recompute) equal the
-    measurement's (the teacher-forced sparse forward at the schedule's budgets)."""
+@pytest.fixture(scope="module")
+def sparse_rollout(model):
+    """A sparse rollout of two prompts at a table schedule (budgets of 3, 4 and 5 pages)."""
     schedule = BudgetSchedule.from_table([0, 1, 2], bin_tokens=BIN, page_size=P)
-    cfg = RolloutConfig(n=2, max_new_tokens=12, temperature=1.0, page_size=P, dense_layers=(0,),
+    cfg = RolloutConfig(n=2, max_new_tokens=12, temperature=0.7, page_size=P, dense_layers=(0,),
                         logprob_top_k=8)
     rng = np.random.default_rng(3)
-    ro = generate(model, [list(rng.integers(1, 40, size=k)) for k in (21, 30)], cfg,
-                  jax.random.key(0), schedule=schedule)
-    got = recorded_alphas(model, ro, 1.0, top_k=8)
+    return schedule, generate(model, [list(rng.integers(1, 40, size=k)) for k in (21, 30)], cfg,
+                              jax.random.key(0), schedule=schedule)
+
+
+def test_recorded_topk_alphas_equal_the_teacher_forced_ones(model, sparse_rollout):
+    """Validation's alphas (the rollout's recorded top-k against the dense recompute) equal the
+    measurement's (the teacher-forced sparse forward at the schedule's budgets)."""
+    schedule, ro = sparse_rollout
+    got = recorded_alphas(model, ro, 0.7, top_k=8)
     want = measure_alphas(model, host_rollouts([ro]), [("s", schedule)], max_new_tokens=12,
-                          temperature=1.0, top_k=8, page_size=P, dense_layers=(0,))
+                          temperature=0.7, top_k=8, page_size=P, dense_layers=(0,))
     mask = np.asarray(ro.response_mask)
     for name in ("topk_bound", "paper"):
         np.testing.assert_allclose(got[name][mask], want.alphas["s"][name][mask], atol=2e-5)
     assert want.alphas["s"]["paper"][mask].min() < 0.99    # sparse somewhere
 
 
-def test_sparse_logprobs_equal_the_decode_loop(model):
+def test_sparse_logprobs_equal_the_decode_loop(model, sparse_rollout):
     """On a rollout's tokens at its recorded budgets, the sparse actor's log-probs are what the
     decode loop recorded; sparse_logits agree with them and differ from the dense logits."""
-    schedule = BudgetSchedule.fixed(3, page_size=P)
-    cfg = RolloutConfig(n=2, max_new_tokens=12, temperature=0.7, page_size=P, dense_layers=(0,),
-                        logprob_top_k=4)
-    rng = np.random.default_rng(0)
-    ro = generate(model, [list(rng.integers(1, 40, size=k)) for k in (21, 30)], cfg,
-                  jax.random.key(0), schedule=schedule)
+    schedule, ro = sparse_rollout
     tokens, pl = np.asarray(ro.tokens), np.asarray(ro.prompt_lengths)
-    # Response token j was sampled by the query at position p + j - 1, with budget recorded in
-    # slot j (slot 0, from prefill, is dense: position p - 1 < p attends densely).
-    budgets = np.full(tokens.shape, 3, np.int32)
+    # Response token j was sampled by the query at position p + j - 1 with the budget recorded
+    # in slot j (slot 0 is prefill's, dense: position p - 1 < p attends densely anyway).
     slots = pl[:, None] + np.arange(12)[None, :]
+    budgets = np.full(tokens.shape, 3, np.int32)
+    np.put_along_axis(budgets, slots - 1, np.maximum(np.asarray(ro.budget_pages), 3), axis=1)
     lp = np.asarray(sparse_logprobs(model, tokens, budgets, prompt_lengths=pl, page_size=P,
                                     dense_layers=(0,), temperature=0.7))
-    got = np.take_along_axis(lp, slots, axis=1)
-    np.testing.assert_allclose(got, np.asarray(ro.logprobs), atol=2e-5)
+    np.testing.assert_allclose(np.take_along_axis(lp, slots, axis=1), np.asarray(ro.logprobs),
+                               atol=2e-5)
+    # The schedule itself gives position i the budget of lengths i + 1: the same numbers at the
+    # response (past it the recorded budgets are padding).
     logits = np.asarray(sparse_logits(model, tokens, schedule, prompt_lengths=pl, page_size=P,
                                       dense_layers=(0,), temperature=0.7))
     logq = logits - np.log(np.exp(logits).sum(-1, keepdims=True))
     at = np.take_along_axis(logq[:, :-1], tokens[:, 1:, None], axis=2)[..., 0]
-    np.testing.assert_allclose(at, lp[:, 1:], atol=2e-5)
+    np.testing.assert_allclose(np.take_along_axis(at, slots - 1, axis=1),
+                               np.take_along_axis(lp, slots, axis=1), atol=2e-5)
     alpha = np.asarray(acceptance_rate(np.asarray(model(tokens)) / 0.7, logits))
     assert alpha.min() < 0.999
 
