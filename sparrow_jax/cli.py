@@ -8,7 +8,8 @@ Each subcommand lives in its own module, registered in :data:`SUBCOMMANDS` as
 
 Every subcommand takes ``--config FILE.yaml``: its keys are the subcommand's long options
 (``max_new_tokens: 64``); options given on the command line override the file. A module that
-sets ``CONFIG_IS_RUN_CONFIG = True`` (``train``, ``calibrate``) reads the file itself, as its run config.
+sets ``CONFIG_IS_RUN_CONFIG = True`` (``train``, ``calibrate``) reads the file itself, as its
+run config.
 """
 
 from __future__ import annotations
