@@ -83,7 +83,7 @@ def _run(model, temperature, schedule_name, slots, pool, prefill_rows):
     ro, stats = run_refill(model, _prompts(), _config(temperature, pool), jax.random.key(5),
                            SCHEDULES[schedule_name], slots=slots, prefill_rows=prefill_rows)
     # Every sample came back exactly once (each row written by one harvest), every page freed.
-    assert stats.admissions - stats.preemptions == len(LENGTHS) * N
+    assert stats.admissions - stats.preemptions == stats.returned == len(LENGTHS) * N
     assert len(np.unique(np.asarray(ro.prompt_index))) == len(LENGTHS)
     assert stats.pages_in_use_after == 0 and stats.sequences_after == 0
     assert stats.peak_pages <= pool - 1

@@ -73,6 +73,7 @@ class RefillStats:
     chunks: int
     admissions: int           # samples admitted, readmissions included
     preemptions: int          # samples preempted
+    returned: int             # rows harvested into the result (each sample once: S = N*n)
     peak_pages: int           # most pages in use at once (the null page excluded)
     num_pages: int            # the pool, the null page included
     pages_in_use_after: int
@@ -218,13 +219,15 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
             h.cache_length = int(cache_lengths[s])
             if finish[s] != _UNFINISHED:
                 dst[s] = h.prompt * n + h.sample
+                counters["returned"] += 1
                 release(s)
         if (dst < num_rows).any():
             out = _collect(out, state, jnp.asarray(dst))
 
     stats = RefillStats(
         chunks=counters["chunks"], admissions=counters["admissions"],
-        preemptions=counters["preemptions"], peak_pages=peak, num_pages=num_pages,
+        preemptions=counters["preemptions"], returned=counters["returned"], peak_pages=peak,
+        num_pages=num_pages,
         pages_in_use_after=alloc.num_usable - alloc.num_free,
         sequences_after=alloc.num_allocated_sequences)
     return out, stats
