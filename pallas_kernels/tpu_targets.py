@@ -1,4 +1,4 @@
-"""The TPU chips this project targets, and lowering for one of them from any host.
+"""The TPU chips this project targets, and lowering for one of them from a host without a TPU.
 
 ``jax.export(fn, platforms=["tpu"])`` lowers Pallas TPU kernels to Mosaic custom calls without a
 TPU; kernels whose lowering asks which chip it is for (tile sizes, core count) need an abstract

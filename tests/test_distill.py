@@ -113,8 +113,13 @@ def test_dense_outputs_ignore_lora(noisy):
     grads = [dict(mini_batch_gradients(*split_model(m), batch, np.arange(ROWS), UCFG,
                                        TEMP)[0].flat_state()) for m in (model, plain)]
     assert grads[0].keys() == grads[1].keys()
+    # The two gradient programs differ in their (unused) adapter inputs: on CPU they compile to
+    # the same arithmetic; a GPU compiles each with its own fusions and autotuned kernels, which
+    # may round differently in the last bits (seen on the H100: 2e-9 absolute).
+    same = (np.testing.assert_array_equal if jax.default_backend() == "cpu" else
+            functools.partial(np.testing.assert_allclose, rtol=1e-4, atol=1e-8))
     for k in grads[0]:
-        np.testing.assert_array_equal(np.asarray(grads[0][k][...]), np.asarray(grads[1][k][...]))
+        same(np.asarray(grads[0][k][...]), np.asarray(grads[1][k][...]))
     assert max(float(np.abs(np.asarray(g[...])).max()) for g in grads[0].values()) > 0
 
 

@@ -44,7 +44,7 @@ def run(tmp_path_factory):
         "--budgets", f"3,{BIG}", "--page-size", str(P), "--dense-layers", "0",
         "--bin-tokens", "16", "--min-count", "4", "--max-new-tokens", str(MAX_NEW),
         "--num-prompts", "3", "--n", "2", "--batch-size", "4", "--top-k", "8",
-        "--out", str(out), "--no-progress"])
+        "--dtype", "float32", "--out", str(out), "--no-progress"])  # exact: bf16 on a GPU
     return result, out
 
 

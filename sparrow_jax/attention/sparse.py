@@ -108,8 +108,9 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         return tpu_kernels(*args, interpret=jax.default_backend() != "tpu")
     if impl == "auto" and jax.default_backend() != "gpu" and resolve_impl(
             impl, scorer, q.shape[-1], page_size, platform="tpu") == "pallas_tpu":
-        # Decided when lowering, per platform: a step compiled or exported for TPU from any host
-        # holds the TPU kernels; lowered for CPU, only the reference is compiled.
+        # Decided when lowering, per platform: a step compiled or exported for TPU from a CPU or
+        # TPU host holds the TPU kernels; lowered for CPU, only the reference is compiled. (On a
+        # GPU backend "auto" means the GPU kernels, which cannot lower for TPU.)
         return lax.platform_dependent(*args, tpu=tpu_kernels, default=reference)
     return reference(*args)
 
