@@ -42,7 +42,6 @@ from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.distill import (DistillBatch, DistillConfig, DistillUpdater, SparseRule,
                                     student_logprobs)
-from sparrow_jax.rl.recompute import empty_stats
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
 from sparrow_jax.schedule import BudgetSchedule
 
@@ -110,9 +109,8 @@ def main(argv=None) -> dict:
         p_state, d_state = policy.init(model), distill.init(model)
 
         def dense_phase():
-            fused = empty_stats(a.rows, r, 1, 1)
             batch = UpdateBatch(tokens, prompts, lengths, logp.copy(), logp, adv, topk)
-            policy.update(model, p_state, batch, plan, 1.0, 0, fused=fused)
+            policy.update(model, p_state, batch, plan, 1.0, 0, fuse_top_k=1)
 
         dbatch = DistillBatch(tokens, prompts, lengths, budgets, logp, logp, adv)
 

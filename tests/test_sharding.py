@@ -28,7 +28,6 @@ from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.lora import LoRAConfig, LoRAParam, attach_lora
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
-from sparrow_jax.rl.recompute import empty_stats
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch, split_model
 from sparrow_jax.sharding import MeshConfig, PartitionSpec
 
@@ -149,10 +148,7 @@ def _step(model, opt_state, updater, seed):
     mini-batch fused with its dense recompute."""
     batch = _batch(seed)
     plan = updater.plan(jax.random.key(seed), ROWS)
-    fused = empty_stats(ROWS, RESP, 4, TOP_K)
-    opt_state, metrics = updater.update(model, opt_state, batch, plan, TEMP, step=seed,
-                                        fused=fused)
-    return opt_state, metrics, fused
+    return updater.update(model, opt_state, batch, plan, TEMP, step=seed, fuse_top_k=TOP_K)
 
 
 def _host(tree):

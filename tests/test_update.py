@@ -12,7 +12,7 @@ from sparrow_jax.models.lora import LoRAConfig, LoRAParam, attach_lora
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import LossConfig
-from sparrow_jax.rl.recompute import empty_stats, recompute
+from sparrow_jax.rl.recompute import recompute
 from sparrow_jax.rl.update import (NonFiniteError, PolicyUpdater, UpdateBatch,
                                    mini_batch_gradients, split_model)
 from sparrow_jax.rollout.types import Rollout
@@ -82,7 +82,9 @@ def test_gradient_same_for_1_2_4_micro_batches_and_matches_reference(setup, micr
     model, batch, graphdef, params, rest, (ref_loss, ref) = setup
     assert not any(isinstance(v, LoRAParam) for _, v in params.flat_state())
     cfg = UpdateConfig(micro_batch_size=micro, length_multiple=32)
-    grads, metrics = mini_batch_gradients(graphdef, params, rest, batch, np.arange(8), cfg, TEMP)
+    grads, metrics, none = mini_batch_gradients(graphdef, params, rest, batch, np.arange(8), cfg,
+                                                TEMP)
+    assert none is None
     ref_leaves = dict(jax.tree_util.tree_leaves_with_path(ref))
     for path, g in jax.tree_util.tree_leaves_with_path(grads):
         np.testing.assert_allclose(np.asarray(g), np.asarray(ref_leaves[path]), rtol=2e-4,
@@ -97,7 +99,7 @@ def test_adamw_step_matches_hand_written_adam_and_leaves_lora():
     ucfg = UpdateConfig(length_multiple=32)
     ocfg = OptimConfig(learning_rate=1e-3, weight_decay=0.01, max_grad_norm=None)
     graphdef, params, rest = split_model(model)
-    grads, _ = mini_batch_gradients(graphdef, params, rest, batch, np.arange(8), ucfg, TEMP)
+    grads = mini_batch_gradients(graphdef, params, rest, batch, np.arange(8), ucfg, TEMP)[0]
     before = jax.tree.map(lambda x: np.asarray(x, np.float64), params)
     lora_before = jax.tree.map(np.asarray, nnx.state(model, LoRAParam))
     up = PolicyUpdater(ucfg, ocfg)
@@ -148,24 +150,28 @@ def test_fused_recompute_equals_separate_recompute():
         dense = recompute(model, rollout, TEMP, micro_batch_size=4, top_k=5, length_multiple=32)
         up = PolicyUpdater(ucfg, ocfg)
         plan = up.plan(jax.random.key(1), 8)
-        fused = None
         if fuse:
-            fused = empty_stats(8, base.logp_old.shape[1], k, 5)
             # as the trainer: the separate pass covers only the rows outside the first mini-batch
             others = np.where(np.isin(np.arange(8), plan[0][0]), 0.0, 1.0)[:, None]
             batch = base._replace(logp_old=(dense.logprobs * others).astype(np.float32),
                                   actor_topk_ids=actor)
         else:
             batch = base._replace(logp_old=dense.logprobs.copy())
-        _, metrics = up.update(model, up.init(model), batch, plan, TEMP, step=0, fused=fused)
+        logp_old = batch.logp_old.copy()
+        _, metrics, fused = up.update(model, up.init(model), batch, plan, TEMP, step=0,
+                                      fuse_top_k=5 if fuse else 0)
+        # the caller's batch is left as it was
+        np.testing.assert_array_equal(batch.logp_old, logp_old)
+        assert (fused is None) == (not fuse)
         if fuse:
             rows = plan[0][0]
+            assert fused.topk_ids.shape == dense.topk_ids.shape
+            assert fused.actor_topk_logprobs.shape == dense.actor_topk_logprobs.shape
             for got, want in zip(fused, dense):
                 np.testing.assert_allclose(np.asarray(got)[rows], np.asarray(want)[rows],
                                            rtol=1e-5, atol=1e-6)
-            # the other rows were left for the separate pass; later steps saw the fused values
+            # the other rows were left for the separate pass
             assert not np.any(fused.logprobs[plan[0][1]])
-            np.testing.assert_array_equal(batch.logp_old[rows], fused.logprobs[rows])
         results.append((split_model(model)[1], metrics))
     (p0, m0), (p1, m1) = results
     moved = jax.tree.map(lambda a, b: np.abs(np.asarray(a) - np.asarray(b)).max(), p0,

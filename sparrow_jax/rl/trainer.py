@@ -269,6 +269,10 @@ class Trainer:
         if step is None:
             raise FileNotFoundError(f"--resume: no checkpoint in {self.checkpointer.directory}")
         arrays, record = self.checkpointer.restore(step, self._arrays())
+        if self.mesh is None:
+            # Orbax hands back arrays committed to their device, a fresh run's are not, and jit
+            # compiles anew for each: uncommitted copies keep a resumed run on the same programs.
+            arrays = jax.tree.map(lambda x: jnp.asarray(np.asarray(x)), arrays)
         nnx.update(self.model, arrays["params"])
         self.opt_state = arrays["opt_state"]
         if self.distill is not None:
@@ -371,12 +375,15 @@ class Trainer:
         before = nnx.clone(self.model) if self.distill is not None else None
         with timer("update"):
             batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
-                                np.asarray(rollout.response_lengths), dense.logprobs.copy(),
+                                np.asarray(rollout.response_lengths), dense.logprobs,
                                 np.asarray(rollout.logprobs), advantages.astype(np.float32),
                                 np.asarray(rollout.topk_ids))
-            self.opt_state, update_metrics = self.updater.update(
+            self.opt_state, update_metrics, fused = self.updater.update(
                 self.model, self.opt_state, batch, plan, temperature, self.step,
-                fused=dense if u.fuse_recompute else None)
+                fuse_top_k=cfg.mismatch.top_k if u.fuse_recompute else 0)
+        if fused is not None:
+            for d, f in zip(dense, fused):
+                d[fused_rows] = f[fused_rows]
         if self.distill is not None:
             update_metrics.update(self._distill_step(before, rollout, dense, advantages, plan,
                                                      timer))

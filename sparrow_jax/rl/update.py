@@ -35,9 +35,9 @@ from sparrow_jax import sharding
 from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import grpo_loss
-from sparrow_jax.rl.recompute import (DenseStats, fill_rows, gather_rows, plan_micro_batches,
-                                     response_hidden, response_tokens, round_up,
-                                     stats_from_hidden)
+from sparrow_jax.rl.recompute import (DenseStats, empty_stats, fill_rows, gather_rows,
+                                     plan_micro_batches, response_hidden, response_tokens,
+                                     round_up, stats_from_hidden)
 
 TRAINABLE = nnx.All(nnx.Param, nnx.Not(LoRAParam))
 
@@ -124,22 +124,26 @@ def _add(a, b):
 
 
 def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.ndarray,
-                         config: UpdateConfig, temperature: float, *,
-                         fused: DenseStats | None = None) -> tuple[Any, dict[str, float]]:
+                         config: UpdateConfig, temperature: float, *, fuse_top_k: int = 0
+                         ) -> tuple[Any, dict[str, float], DenseStats | None]:
     """Gradient of the mini-batch loss over ``rows`` (token-mean over all their response
     tokens), accumulated over length-bucketed micro-batches of ``config.micro_batch_size``.
     Returns (grads like ``params``, metrics: loss, clip fractions, the current policy's
-    entropy, ...).
+    entropy, ..., the fused recompute or None).
 
-    ``fused``: host stats to fill for ``rows`` (their dense recompute, done by this forward;
-    ``batch.logp_old`` is then ignored on these rows and needs ``batch.actor_topk_ids``).
+    ``fuse_top_k`` > 0: this forward is also the dense recompute of ``rows`` (dense top-k of
+    that size; needs ``batch.actor_topk_ids``): ``batch.logp_old`` is ignored on them and their
+    host :class:`DenseStats` returned in the batch's ``[S, R]`` layout, zero on other rows.
     """
     rows = np.asarray(rows)
     num_tokens = int(batch.response_lengths[rows].sum())
     if num_tokens == 0:
         raise ValueError("mini-batch holds no response token")
-    if fused is not None and batch.actor_topk_ids is None:
-        raise ValueError("a fused recompute needs the rollout's actor_topk_ids in the batch")
+    fused = None
+    if fuse_top_k:
+        if batch.actor_topk_ids is None:
+            raise ValueError("a fused recompute needs the rollout's actor_topk_ids in the batch")
+        fused = empty_stats(*batch.logp_old.shape, batch.actor_topk_ids.shape[2], fuse_top_k)
     total = batch.prompt_lengths + batch.response_lengths
     r_cap = batch.logp_old.shape[1]
     mask_all = np.arange(r_cap)[None, :] < batch.response_lengths[:, None]
@@ -165,14 +169,14 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
                 "actor")), jnp.float32(num_tokens), response_capacity=r_len,
                 temperature=float(temperature), loss_config=config.loss,
                 chunk_size=config.chunk_size,
-                fused_top_k=0 if fused is None else fused.topk_ids.shape[2],
+                fused_top_k=fuse_top_k,
                 remat=config.remat)
         if fused is not None:
             fill_rows(fused, micro, stats, batch.response_lengths)
         grads = g if grads is None else _add(grads, g)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
-    return grads, sums
+    return grads, sums, fused
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
@@ -215,26 +219,31 @@ class PolicyUpdater:
                 for k in jax.random.split(key, cfg.epochs)]
 
     def update(self, model, opt_state, batch: UpdateBatch, plan: list[list[np.ndarray]],
-               temperature: float, step: int, *, fused: DenseStats | None = None
-               ) -> tuple[Any, dict[str, float]]:
+               temperature: float, step: int, *, fuse_top_k: int = 0
+               ) -> tuple[Any, dict[str, float], DenseStats | None]:
         """Runs the optimizer steps of ``plan`` (from :meth:`plan`) on one rollout batch;
-        returns (opt_state, metrics averaged over the optimizer steps).
+        returns (opt_state, metrics averaged over the optimizer steps, the fused recompute).
 
-        ``fused``: host stats whose rows of the first mini-batch (``plan[0][0]``) this update
-        fills, recomputing them in that mini-batch's forward (same parameters as the rollout
-        policy); ``batch.logp_old`` gets those rows' values for the later optimizer steps.
-        Raises :class:`NonFiniteError` naming ``step`` before applying an update whose loss or
-        gradient is not finite.
+        ``fuse_top_k`` > 0: the first mini-batch's forward (``plan[0][0]``; same parameters as
+        the rollout policy) is also its rows' dense recompute, with a dense top-k of that size:
+        their host :class:`DenseStats` are returned (``[S, R]`` layout, zero on other rows; None
+        without fusing), and the later optimizer steps use their log-probs as ``logp_old``
+        (``batch`` itself is left as it is). Raises :class:`NonFiniteError` naming ``step``
+        before applying an update whose loss or gradient is not finite.
         """
         graphdef, params, rest = split_model(model)
         history: list[dict[str, float]] = []
+        fused = None
+        if fuse_top_k:
+            batch = batch._replace(logp_old=batch.logp_old.copy())
         for epoch, mini_batches in enumerate(plan):
             for i, rows in enumerate(mini_batches):
-                first = fused is not None and epoch == 0 and i == 0
-                grads, metrics = mini_batch_gradients(graphdef, params, rest, batch, rows,
-                                                      self.config, temperature,
-                                                      fused=fused if first else None)
+                first = bool(fuse_top_k) and epoch == 0 and i == 0
+                grads, metrics, stats = mini_batch_gradients(
+                    graphdef, params, rest, batch, rows, self.config, temperature,
+                    fuse_top_k=fuse_top_k if first else 0)
                 if first:
+                    fused = stats
                     batch.logp_old[rows] = fused.logprobs[rows]
                 norm = float(_global_norm(grads))
                 if not (math.isfinite(metrics["loss"]) and math.isfinite(norm)):
@@ -246,4 +255,5 @@ class PolicyUpdater:
                     params, opt_state = _apply(self.optimizer, params, opt_state, grads)
                 history.append(dict(metrics, grad_norm=norm))
         nnx.update(model, params)
-        return opt_state, {k: float(np.mean([h[k] for h in history])) for k in history[0]}
+        return (opt_state, {k: float(np.mean([h[k] for h in history])) for k in history[0]},
+                fused)
