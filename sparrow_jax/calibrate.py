@@ -22,9 +22,8 @@ import time
 from pathlib import Path
 
 import numpy as np
-import yaml
 
-from sparrow_jax.config import ConfigError, from_dict, to_dict
+from sparrow_jax.config import ConfigError, from_dict, load_yaml_config, to_dict
 from sparrow_jax.data import NeedleConfig
 
 __all__ = ["CalibrateConfig", "load_calibrate_config", "calibrate", "load_model", "load_prompts",
@@ -121,19 +120,7 @@ class CalibrateConfig:
 def load_calibrate_config(path: str | Path, **overrides) -> CalibrateConfig:
     """A YAML file (keys of :class:`CalibrateConfig`), then ``overrides`` -> the config; a bad
     key or value is a one-line :class:`ConfigError` naming the file and the key."""
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file {path} does not exist")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: must hold a mapping of CalibrateConfig keys")
-    try:
-        return from_dict(CalibrateConfig, {**data, **overrides})
-    except ConfigError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    return load_yaml_config(path, lambda data: from_dict(CalibrateConfig, {**data, **overrides}))
 
 
 # --------------------------------------------------------------------------- model and prompts

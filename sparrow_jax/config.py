@@ -13,7 +13,7 @@ import math
 import types
 import typing
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 CONFIG_DIR = Path(__file__).resolve().parents[1] / "configs"
 
@@ -284,6 +284,27 @@ _PLAIN = {
     str: (lambda v: isinstance(v, str), "a string"),
     dict: (lambda v: isinstance(v, dict), "a mapping"),
 }
+
+
+def load_yaml_config(path: str | Path, build: Callable[[dict[str, Any]], Any]) -> Any:
+    """``build`` of the YAML mapping in ``path``. Every failure (no such file, invalid YAML, not
+    a mapping, a bad key or value that ``build`` rejects) is one :class:`ConfigError` naming the
+    file."""
+    import yaml
+
+    path = Path(path)
+    if not path.is_file():
+        raise ConfigError(f"config file not found: {path}")
+    try:
+        data = yaml.safe_load(path.read_text()) or {}
+    except yaml.YAMLError as e:
+        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
+    try:
+        return build(data)
+    except ValueError as e:
+        raise ConfigError(f"{path}: {e}") from None
 
 
 def to_dict(config: Any) -> dict[str, Any]:

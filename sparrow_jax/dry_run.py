@@ -26,7 +26,8 @@ import math
 from pathlib import Path
 from typing import Any
 
-from sparrow_jax.config import CONFIG_DIR, ConfigError, ModelConfig, from_dict, unknown_name
+from sparrow_jax.config import (CONFIG_DIR, ConfigError, ModelConfig, from_dict, load_yaml_config,
+                                unknown_name)
 from sparrow_jax.memory import GIB, MemoryEstimate, memory_per_device, param_bytes_per_device
 from sparrow_jax.sharding import MeshConfig
 
@@ -78,21 +79,7 @@ class RunFile:
 
 def load_run_file(path: str | Path) -> RunFile:
     """A run YAML -> its TrainConfig, ``target`` and mesh; every error names the file and key."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    try:
-        return run_file_from_dict(data)
-    except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    return load_yaml_config(path, run_file_from_dict)
 
 
 def run_file_from_dict(data: dict[str, Any]) -> RunFile:

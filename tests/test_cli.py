@@ -3,7 +3,6 @@ dispatch of the not-yet-implemented subcommands, and clear errors."""
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest

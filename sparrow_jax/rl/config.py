@@ -18,7 +18,7 @@ import dataclasses
 from pathlib import Path
 from typing import Any
 
-from sparrow_jax.config import ConfigError, from_dict, unknown_name
+from sparrow_jax.config import ConfigError, from_dict, load_yaml_config, unknown_name
 from sparrow_jax.data import DataConfig
 from sparrow_jax.models.lora import LORA_TARGETS, LoRAConfig
 from sparrow_jax.rl.losses import LossConfig
@@ -293,18 +293,4 @@ class TrainConfig:
 
 def load_train_config(path: str | Path) -> TrainConfig:
     """Reads a YAML file into a :class:`TrainConfig`; every error names the file and the key."""
-    import yaml
-
-    path = Path(path)
-    if not path.is_file():
-        raise ConfigError(f"config file not found: {path}")
-    try:
-        data = yaml.safe_load(path.read_text()) or {}
-    except yaml.YAMLError as e:
-        raise ConfigError(f"{path}: not valid YAML ({' '.join(str(e).split())})") from None
-    if not isinstance(data, dict):
-        raise ConfigError(f"{path}: the top level must be a mapping, got {type(data).__name__}")
-    try:
-        return from_dict(TrainConfig, data)
-    except ValueError as e:
-        raise ConfigError(f"{path}: {e}") from None
+    return load_yaml_config(path, lambda data: from_dict(TrainConfig, data))
