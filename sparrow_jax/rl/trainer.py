@@ -1,4 +1,4 @@
-"""GRPO with sparse rollouts and dense recomputation: the training loop (docs/design.md, section 7).
+"""The GRPO training loop: sparse rollouts, dense recomputation (docs/design.md, section 7).
 
 One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off)
 -> mismatch metrics -> GRPO update -> metrics -> checkpoint. Steps are 0-based; the checkpoint
