@@ -199,4 +199,4 @@ def test_missing_config_is_named(tmp_path, capsys):
     assert main(["calibrate"]) == 2
     assert main(["calibrate", "--config", str(tmp_path / "nope.yaml")]) == 2
     err = capsys.readouterr().err.splitlines()
-    assert "needs --config" in err[0] and "nope.yaml" in err[1] and "does not exist" in err[1]
+    assert "needs --config" in err[0] and "nope.yaml" in err[1] and "not found" in err[1]
