@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from pathlib import Path
 
 import jax
@@ -16,6 +19,7 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 REPO = Path(__file__).resolve().parents[1]
+SIMULATED_DEVICES = 8
 HF_FIXTURES = REPO / "tests" / "fixtures" / "hf"
 HF_PYTHON = REPO / ".venv-hf" / "bin" / "python"
 
@@ -49,3 +53,18 @@ def hf_python() -> Path:
     if not HF_PYTHON.exists():
         pytest.fail(f"tests marked hf need {HF_PYTHON}: run bash scripts/make_hf_venv.sh")
     return HF_PYTHON
+
+
+def run_on_simulated_devices(script: str | Path, *args: str, timeout: int = 900) -> str:
+    """Runs the test file ``script`` as a script in a subprocess on ``SIMULATED_DEVICES`` CPU
+    devices -> its stdout. XLA fixes the device count when it starts, and the suite's own
+    process has one device; a failure fails the calling test with the script's output."""
+    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
+        os.environ.get("XLA_FLAGS", "") +
+        f" --xla_force_host_platform_device_count={SIMULATED_DEVICES}").strip())
+    proc = subprocess.run([sys.executable, str(script), *args], env=env, cwd=REPO,
+                          capture_output=True, text=True, timeout=timeout)
+    if proc.returncode:
+        pytest.fail(f"{Path(script).name} on {SIMULATED_DEVICES} simulated devices failed:\n"
+                    f"{proc.stdout[-2000:]}{proc.stderr[-6000:]}")
+    return proc.stdout

@@ -11,8 +11,6 @@ and the meshes scale with their count). Run it directly to see the figures::
 
 from __future__ import annotations
 
-import os
-import subprocess
 import sys
 from pathlib import Path
 
@@ -20,6 +18,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import run_on_simulated_devices
 from sparrow_jax.config import ModelConfig
 
 P = 4
@@ -32,12 +31,7 @@ MAX_GAP = 1e-5                # a token may differ only where the draw was this 
 
 
 def _run_script(*meshes: str) -> str:
-    env = dict(os.environ)
-    env["XLA_FLAGS"] = (env.get("XLA_FLAGS", "") + " --xla_force_host_platform_device_count=8")
-    out = subprocess.run([sys.executable, str(Path(__file__).resolve()), *meshes], env=env,
-                         capture_output=True, text=True, timeout=900)
-    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-8000:]
-    return out.stdout
+    return run_on_simulated_devices(Path(__file__).resolve(), *meshes)
 
 
 def _checked(out: str) -> int:

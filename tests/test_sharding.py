@@ -10,9 +10,6 @@ here, on the devices found. Each check measures, the tests assert.
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 import time
 from pathlib import Path
@@ -23,6 +20,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import run_on_simulated_devices
 from sparrow_jax import sharding
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.lora import LoRAConfig, LoRAParam, attach_lora
@@ -32,7 +30,6 @@ from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch, split_model
 from sparrow_jax.sharding import MeshConfig, PartitionSpec
 
 REPO = Path(__file__).resolve().parents[1]
-SIMULATED_DEVICES = 8
 CFG = ModelConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                   num_attention_heads=4, num_key_value_heads=2, head_dim=8)
 ROWS, SEQ, RESP, TOP_K = 32, 32, 12, 3
@@ -326,14 +323,7 @@ def run_checks() -> dict:
 def report():
     if jax.device_count() > 1:
         return run_checks()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        os.environ.get("XLA_FLAGS", "") +
-        f" --xla_force_host_platform_device_count={SIMULATED_DEVICES}").strip())
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"multi-device checks failed:\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_on_simulated_devices(__file__).strip().splitlines()[-1])
 
 
 def test_grpo_step_on_every_mesh_equals_one_device(report):

@@ -10,9 +10,6 @@ prints their JSON report); on a multi-device host they run here, on the devices 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
-import sys
 import tempfile
 from pathlib import Path
 
@@ -20,11 +17,11 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import run_on_simulated_devices
 from sparrow_jax.config import ConfigError, from_dict
 from sparrow_jax.rl.config import TrainConfig
 
 REPO = Path(__file__).resolve().parents[1]
-SIMULATED_DEVICES = 8
 STEPS = 3
 HF_CONFIG = {"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "vocab_size": 24,
              "hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2,
@@ -99,14 +96,7 @@ def run_checks() -> dict:
 def report():
     if jax.device_count() > 1:
         return run_checks()
-    env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=(
-        os.environ.get("XLA_FLAGS", "") +
-        f" --xla_force_host_platform_device_count={SIMULATED_DEVICES}").strip())
-    proc = subprocess.run([sys.executable, __file__], env=env, cwd=REPO, capture_output=True,
-                          text=True, timeout=600)
-    if proc.returncode:
-        pytest.fail(f"mesh runs failed:\n{proc.stderr[-6000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return json.loads(run_on_simulated_devices(__file__).strip().splitlines()[-1])
 
 
 def _assert_same_metrics(got: list[dict], want: list[dict]) -> None:
