@@ -9,6 +9,7 @@ Example (``configs/*.yaml``)::
     rollout: {samples_per_prompt: 8, max_new_tokens: 8, temperature: 1.0}
     optim: {learning_rate: 1.0e-4}
     distill: {enabled: true}    # optional: DistillSparse, the sparse actor's LoRA (no mesh yet)
+    closed_loop: {enabled: true}   # optional, with a table schedule: its budgets follow alpha
     mesh: {data: 1, fsdp: -1, tensor: 1}   # optional: every device, parameters split (FSDP)
 """
 
@@ -214,6 +215,62 @@ class MismatchSettings:
         _positive(self, "bin_tokens", "num_bins", "top_k")
 
 
+CLOSED_LOOP_ESTIMATORS = ("paper", "topk_bound")
+
+
+@dataclasses.dataclass(frozen=True)
+class ClosedLoopConfig:
+    """The closed-loop schedule (``closed_loop:`` in a train YAML; docs/design.md, section 9;
+    :mod:`sparrow_jax.rl.closed_loop`). Needs a ``table`` schedule, whose bins it controls.
+
+    estimator, quantile: the per-bin tail statistic (``paper``/``topk_bound`` alpha, computed
+      from the recompute at the rollout's recorded top-k). target: a bin below it rises one
+      rung at once. margin, patience: a bin lowers one rung after ``patience`` consecutive
+      steps at or above ``target + margin``. min_count: a bin with fewer tokens in a step is
+      left alone. ladder: the budgets (top-k pages) to move between, e.g. the calibrated
+      candidates; empty: steps of ``growth`` (at least one page). lower, upper: each bin stays
+      within these multiples of its starting budget; max_pages: an absolute cap (top-k pages).
+    """
+
+    enabled: bool = False
+    estimator: str = "paper"
+    quantile: float = 0.05
+    target: float = 0.86
+    margin: float = 0.03
+    patience: int = 5
+    min_count: int = 100
+    ladder: tuple[int, ...] = ()
+    growth: float = 1.25
+    lower: float = 0.5
+    upper: float = 2.0
+    max_pages: int | None = None
+
+    def __post_init__(self):
+        object.__setattr__(self, "ladder", tuple(self.ladder))
+        if self.estimator not in CLOSED_LOOP_ESTIMATORS:
+            raise ConfigError(f"closed_loop.estimator must be one of {CLOSED_LOOP_ESTIMATORS} "
+                              f"(computed from the rollout's top-k), got {self.estimator!r}")
+        for name in ("quantile", "target"):
+            if not 0.0 < getattr(self, name) < 1.0:
+                raise ConfigError(f"closed_loop.{name} must be in (0, 1), got "
+                                  f"{getattr(self, name)!r}")
+        if not self.margin >= 0:
+            raise ConfigError(f"closed_loop.margin must be >= 0, got {self.margin!r}")
+        _positive(self, "patience", "min_count")
+        if any(not isinstance(v, int) or v < 0 for v in self.ladder):
+            raise ConfigError(f"closed_loop.ladder must hold ints >= 0 (top-k pages), got "
+                              f"{self.ladder!r}")
+        if not self.growth > 1.0:
+            raise ConfigError(f"closed_loop.growth must be > 1, got {self.growth!r}")
+        if not 0.0 <= self.lower <= 1.0 <= self.upper:
+            raise ConfigError(f"closed_loop.lower and closed_loop.upper must satisfy 0 <= lower "
+                              f"<= 1 <= upper, got lower={self.lower!r}, upper={self.upper!r}")
+        if self.max_pages is not None and (not isinstance(self.max_pages, int)
+                                           or self.max_pages < 0):
+            raise ConfigError(f"closed_loop.max_pages must be an int >= 0 or null, got "
+                              f"{self.max_pages!r}")
+
+
 def build_schedule(spec: dict[str, Any] | None):
     """``{"paper": "qwen3-1.7b"}`` or the fields of :class:`sparrow_jax.schedule.BudgetSchedule`
     (``{kind: fixed, pages: 6}``); None: dense rollouts."""
@@ -251,6 +308,7 @@ class TrainConfig:
     optim: OptimConfig = OptimConfig()
     distill: DistillConfig = DistillConfig()    # DistillSparse (docs/design.md, section 8)
     mismatch: MismatchSettings = MismatchSettings()
+    closed_loop: ClosedLoopConfig = ClosedLoopConfig()   # docs/design.md, section 9
     checkpoint_every: int = 10
     keep_checkpoints: int = 3
     eval_every: int = 0                         # 0: no evaluation
@@ -284,6 +342,9 @@ class TrainConfig:
             raise ConfigError(f"schedule.page_size: the schedule counts pages of "
                               f"{schedule.page_size} tokens, rollout.engine.page_size is "
                               f"{page_size}")
+        if self.closed_loop.enabled and (schedule is None or schedule.kind != "table"):
+            raise ConfigError(f"closed_loop.enabled needs a `table` schedule, whose bins it "
+                              f"controls; got schedule={self.schedule!r}")
 
     @property
     def budget_schedule(self):
