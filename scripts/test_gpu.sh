@@ -11,22 +11,7 @@ cd "$(dirname "$0")/.."
 part=${1:-all}
 shift || true
 case " $* " in *" -n "*) export XLA_PYTHON_CLIENT_PREALLOCATE=false ;; esac
-if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade \
-    --target /tmp/site .whl/*.whl
-  export PYTHONPATH=/tmp/site:${PYTHONPATH:-}
-fi
-export PYTHONPATH=$PWD:${PYTHONPATH:-} PYTHONUNBUFFERED=1
-python3 - <<'PY'
-import importlib.metadata as md, jax
-pins = {"jax": "0.11.2", "flax": "0.12.10", "optax": "0.2.8", "orbax-checkpoint": "0.12.4",
-        "chex": "0.1.92"}
-have = {p: md.version(p) for p in pins}
-print("devices:", jax.devices(), "| versions:", have)
-assert jax.default_backend() == "gpu", "no GPU: this script is for the GPU machine"
-bad = {p: v for p, v in have.items() if v != pins[p]}
-assert not bad, f"versions differ from the pins {pins}: {bad} (carry .whl)"
-PY
+source scripts/gpu_env.sh   # wheels from .whl/, PYTHONPATH, the pins and the GPU checked
 # Each part's files: the GPU kernels; the model, cache, rollout and CLI; training; the TPU kernels;
 # the rest.
 kernels="tests/test_sparse_kernel.py tests/test_sparse_decode.py tests/test_selection.py"
