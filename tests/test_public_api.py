@@ -5,12 +5,12 @@ import sys
 
 import sparrow_jax
 
-DESIGN_NAMES = ("load_qwen3", "sparse_decode", "acceptance_rate", "tail_statistic",
+PUBLIC_NAMES = ("load_qwen3", "sparse_decode", "acceptance_rate", "tail_statistic",
                 "BudgetSchedule", "rollout_cost_dense", "rollout_cost_sparse", "generate")
 
 
 def test_every_export_resolves():
-    assert set(DESIGN_NAMES) <= set(sparrow_jax.__all__)
+    assert set(PUBLIC_NAMES) <= set(sparrow_jax.__all__)
     for name in sparrow_jax.__all__:
         assert getattr(sparrow_jax, name) is not None, name
 

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_decode_gpu import (pad_heads, select_page_lists,
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, pad_heads, select_page_lists,
                                               sparse_decode_pallas)
 from reference_np import select_pages_np, sparse_decode_np
 
@@ -64,7 +64,7 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, **kw):
     assert np.isfinite(got).all()
     rel = np.abs(got - want).max() / np.abs(want).max()
     # float32: exact math up to rounding; bf16: probabilities rounded to bf16 for P.V and the
-    # output rounded to bf16 (DESIGN: within 1e-2 relative).
+    # output rounded to bf16: within 1e-2 relative.
     assert rel < (1e-5 if dtype == jnp.float32 else 1e-2), rel
 
 
@@ -92,18 +92,27 @@ def test_full_matrix(r, d, dtype):
     check(rng, lengths=lengths, budgets=budgets, hkv=2, r=r, d=d, dtype=dtype)
 
 
-@pytest.mark.parametrize("kw", [dict(block_pages=4, splits=3, radix_bits=2, score_chunk=16,
-                                     score_loop=2, score_stages=3),
-                                dict(block_pages=8, splits=1, radix_bits=3, score_chunk=128),
-                                dict(fuse_select=True, merge_in_kernel=True, splits=3),
-                                dict(fuse_select=True, merge_in_kernel=True, splits=1,
-                                     score_chunk=128)])
-def test_settings_do_not_change_the_result(kw):
-    """Splits (also ones that leave some empty), block sizes, radix widths, scoring loops and
-    the fused scoring + selection / in-kernel split merge are tuning only."""
+@pytest.mark.parametrize("tuning", [
+    GpuDecodeTuning(block_pages=4, splits=3, score_chunk=16, score_warps=2),
+    GpuDecodeTuning(block_pages=8, splits=1, score_chunk=128, select_warps=8, attend_warps=4,
+                    attend_stages=2),
+    GpuDecodeTuning(block_pages=2, splits=5)])
+def test_settings_do_not_change_the_result(tuning):
+    """Splits (also ones that leave some empty), block sizes, scoring chunks, warps and stages
+    are tuning only."""
     rng = np.random.default_rng(7)
     check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
-          dtype=jnp.float32, **kw)
+          dtype=jnp.float32, tuning=tuning)
+
+
+@pytest.mark.parametrize("change,match", [(dict(block_pages=3), "block_pages"),
+                                          (dict(splits=0), "splits"),
+                                          (dict(score_chunk=8), "score_chunk"),
+                                          (dict(attend_warps=3), "attend_warps"),
+                                          (dict(attend_stages=0), "attend_stages")])
+def test_bad_tuning_is_named(change, match):
+    with pytest.raises(ValueError, match=match):
+        GpuDecodeTuning(**change)
 
 
 def lists_as_sets(phys, slots, count):
@@ -113,8 +122,7 @@ def lists_as_sets(phys, slots, count):
             for h in range(c.shape[1])}, np.asarray(phys)
 
 
-@pytest.mark.parametrize("fuse_select", [False, True])
-def test_selection_equals_reference_and_lists_are_padded(fuse_select):
+def test_selection_equals_reference_and_lists_are_padded():
     rng = np.random.default_rng(11)
     q, k, v, cent, table, lengths = make_case(rng, lengths=[1000, 17, 600], hkv=2, r=2, d=64,
                                               dtype=jnp.float32)
@@ -122,7 +130,7 @@ def test_selection_equals_reference_and_lists_are_padded(fuse_select):
     max_pages = 64
     phys, slots, count = select_page_lists(
         pad_heads(q, 2), 2, cent, table, lengths, jnp.asarray(budgets), page_size=P,
-        max_pages=max_pages, fuse_select=fuse_select, interpret=INTERPRET)
+        max_pages=max_pages, interpret=INTERPRET)
     got, phys = lists_as_sets(phys, slots, count)
     _, want = reference(q, k, v, cent, table, lengths, budgets)
     assert got == want
@@ -217,7 +225,6 @@ def test_centroids_default_to_the_page_means():
     (dict(budget_pages=jnp.asarray([3, 2], jnp.int32)), ">= 3"),
     (dict(lengths=jnp.asarray([40, 10_000], jnp.int32)), "lengths must be in"),
     (dict(page_table=jnp.full((2, 4), 10_000, jnp.int32)), "pages_total"),
-    (dict(block_pages=3), "block_pages"),
     (dict(budget_pages=jnp.asarray([3, 4], jnp.int32), max_budget_pages=3,
           lengths=jnp.asarray([40, 64], jnp.int32)), "need more than max_budget_pages"),
     (dict(budget_pages=jnp.asarray([3, 4], jnp.int32), max_budget_pages=3,

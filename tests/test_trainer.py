@@ -223,7 +223,7 @@ def test_yaml_config_round_trip(tmp_path):
     (tmp_path / "c.yaml").write_text(yaml.safe_dump(data))
     cfg = load_train_config(tmp_path / "c.yaml")
     assert cfg == from_dict(TrainConfig, data)
-    assert cfg.update.loss.tis_cap == 3.0 and cfg.optim.weight_decay == 0.01  # DESIGN defaults
+    assert cfg.update.loss.tis_cap == 3.0 and cfg.optim.weight_decay == 0.01  # the paper's defaults
     (tmp_path / "bad.yaml").write_text(yaml.safe_dump({**data, "update": {"micro_batch": 2}}))
     with pytest.raises(ConfigError, match="bad.yaml: unknown key in update: 'micro_batch'"):
         load_train_config(tmp_path / "bad.yaml")
