@@ -151,7 +151,15 @@ class DataConfig:
     """``task`` names a built-in synthetic task; ``task: null`` reads ``path`` (parquet, JSONL
     or a ``datasets.save_to_disk`` folder), tokenised with the model's tokenizer (and its chat
     template unless ``chat_template: false``). Evaluation uses ``eval_path`` or else the last
-    ``num_eval`` records of the file."""
+    ``num_eval`` records of the file.
+
+    ``recipe`` (with ``task: null``) trains on a math recipe of :mod:`sparrow_jax.recipes`
+    (``polaris``, ``dapo``, ...): its fields and answers, its local copy at ``path`` (None: the
+    Hugging Face cache), each problem put in ``prompt_template`` (None: the paper's). ``eval_sets``
+    maps recipe names to their local copies (null: the cache), the held-out sets of
+    :func:`build_eval_sets`; given, they are also the evaluation set (all of them in one).
+    ``enable_thinking`` goes to the chat template (Qwen3's thinking switch; None: the template's
+    default)."""
 
     task: str | None = "needle"
     needle: NeedleConfig = NeedleConfig()
@@ -165,12 +173,16 @@ class DataConfig:
     answer_column: str = "answer"
     chat_template: bool = True
     system_prompt: str | None = None
+    recipe: str | None = None
+    eval_sets: dict[str, Any] = dataclasses.field(default_factory=dict)
+    prompt_template: str | None = None
+    enable_thinking: bool | None = None
     prompts_per_step: int = 8
     seed: int = 0
 
     def __post_init__(self):
-        if self.task is None and self.path is None:
-            raise ConfigError("data: give a synthetic `task` or a file `path`")
+        if self.task is None and self.path is None and self.recipe is None:
+            raise ConfigError("data: give a synthetic `task`, a file `path` or a `recipe`")
         if self.task is not None and self.task not in SYNTHETIC_TASKS:
             raise ConfigError(f"data.task must be one of {sorted(SYNTHETIC_TASKS)} or null, got "
                               f"{self.task!r}")
@@ -179,6 +191,29 @@ class DataConfig:
                 raise ConfigError(f"data.{name} must be positive, got {getattr(self, name)}")
         if self.num_eval < 0:
             raise ConfigError(f"data.num_eval must be >= 0, got {self.num_eval}")
+        from sparrow_jax.recipes import get_recipe, render_prompt
+
+        if self.recipe is not None:
+            if self.task is not None:
+                raise ConfigError(f"data.recipe={self.recipe!r} needs task: null (got task "
+                                  f"{self.task!r})")
+            try:
+                get_recipe(self.recipe)
+            except ConfigError as e:
+                raise ConfigError(f"data.recipe: {e}") from None
+        for name, where in self.eval_sets.items():
+            try:
+                get_recipe(name)
+            except ConfigError as e:
+                raise ConfigError(f"data.eval_sets: {e}") from None
+            if where is not None and not isinstance(where, str):
+                raise ConfigError(f"data.eval_sets.{name}: expected a path or null, got "
+                                  f"{where!r}")
+        if self.prompt_template is not None:
+            try:
+                render_prompt(self.prompt_template, "")
+            except ConfigError as e:
+                raise ConfigError(f"data.{e}") from None
 
 
 class PromptSet(NamedTuple):
@@ -192,14 +227,27 @@ def synthetic_task(config: DataConfig):
 
 def build_prompt_sets(config: DataConfig, tokenizer=None) -> tuple[PromptSet, PromptSet]:
     """-> (train, eval) prompt sets. Synthetic sets come from independent streams of
-    ``config.seed``; file sets need ``tokenizer``."""
+    ``config.seed``; file and recipe sets need ``tokenizer``."""
     if config.task is not None:
         task = synthetic_task(config)
         train = PromptSet(*task.sample(np.random.default_rng([config.seed, 0]), config.num_train))
         held = PromptSet(*task.sample(np.random.default_rng([config.seed, 1]), config.num_eval))
         return train, held
     if tokenizer is None:
-        raise ConfigError("data.path needs a tokenizer (the model folder's tokenizer.json)")
+        raise ConfigError(f"data.{'recipe' if config.recipe else 'path'} needs a tokenizer (the "
+                          "model folder's tokenizer.json)")
+    if config.recipe is not None:
+        train = recipe_prompt_set(config.recipe, config.path, tokenizer, config)
+        if config.eval_sets:
+            sets = build_eval_sets(config, tokenizer).values()
+            return train, PromptSet([p for s in sets for p in s.prompts],
+                                    [a for s in sets for a in s.answers])
+        cut = len(train.prompts) - config.num_eval
+        if cut <= 0:
+            raise ConfigError(f"recipe {config.recipe} has {len(train.prompts)} records, not "
+                              f"more than num_eval={config.num_eval}")
+        return (PromptSet(train.prompts[:cut], train.answers[:cut]),
+                PromptSet(train.prompts[cut:], train.answers[cut:]))
     records = load_records(config.path, config.split)
     if config.eval_path is not None:
         held = load_records(config.eval_path, config.split)
@@ -211,6 +259,24 @@ def build_prompt_sets(config: DataConfig, tokenizer=None) -> tuple[PromptSet, Pr
         records, held = records[:cut], records[cut:]
     return (tokenize_records(records, tokenizer, config),
             tokenize_records(held, tokenizer, config))
+
+
+def recipe_prompt_set(name: str, path: str | None, tokenizer, config: DataConfig) -> PromptSet:
+    """A math recipe's problems as prompts (its template, the chat template as configured) and
+    its gold answers as text."""
+    from sparrow_jax.recipes import MATH_PROMPT, load_recipe, render_prompt
+
+    template = config.prompt_template or MATH_PROMPT
+    examples = load_recipe(name, path)
+    prompts = [encode_prompt(render_prompt(template, e.problem), tokenizer, config.chat_template,
+                             config.system_prompt, config.enable_thinking) for e in examples]
+    return PromptSet(prompts, [e.answer for e in examples])
+
+
+def build_eval_sets(config: DataConfig, tokenizer) -> dict[str, PromptSet]:
+    """The held-out sets of ``config.eval_sets``, by recipe name, in the config's order."""
+    return {name: recipe_prompt_set(name, where, tokenizer, config)
+            for name, where in config.eval_sets.items()}
 
 
 def load_records(path: str | Path, split: str = "train") -> list[dict]:
@@ -229,11 +295,26 @@ def load_records(path: str | Path, split: str = "train") -> list[dict]:
                 raise ConfigError(f"{path} has splits {sorted(ds)}, not {split!r}")
             ds = ds[split]
     else:
-        kinds = {".parquet": "parquet", ".jsonl": "json", ".json": "json"}
-        if path.suffix not in kinds:
-            raise ConfigError(f"unsupported prompt file type {path.suffix!r} ({path}); use "
+        return load_files([path])
+    return list(ds)
+
+
+def load_files(paths: Sequence[str | Path]) -> list[dict]:
+    """Rows of data files of one kind (parquet, JSON/JSONL or arrow), in order, via
+    ``datasets``."""
+    import datasets
+
+    kinds = {".parquet": "parquet", ".jsonl": "json", ".json": "json", ".arrow": "arrow"}
+    paths = [Path(p) for p in paths]
+    for p in paths:
+        if p.suffix not in kinds:
+            raise ConfigError(f"unsupported prompt file type {p.suffix!r} ({p}); use "
                               f"{sorted(kinds)} or a saved dataset folder")
-        ds = datasets.load_dataset(kinds[path.suffix], data_files=str(path), split="train")
+    found = {kinds[p.suffix] for p in paths}
+    if len(found) != 1:
+        raise ConfigError(f"data files of one kind expected, got {sorted(found)}: "
+                          f"{[str(p) for p in paths]}")
+    ds = datasets.load_dataset(found.pop(), data_files=[str(p) for p in paths], split="train")
     return list(ds)
 
 
@@ -245,15 +326,22 @@ def tokenize_records(records: Sequence[dict], tokenizer, config: DataConfig) -> 
         for col in (config.prompt_column, config.answer_column):
             if col not in rec:
                 raise ConfigError(f"record {i} has no column {col!r}; columns: {sorted(rec)}")
-        prompts.append(encode_prompt(rec[config.prompt_column], tokenizer,
-                                     config.chat_template, config.system_prompt))
+        prompt = rec[config.prompt_column]
+        if config.prompt_template is not None and isinstance(prompt, str):
+            from sparrow_jax.recipes import render_prompt
+
+            prompt = render_prompt(config.prompt_template, prompt)
+        prompts.append(encode_prompt(prompt, tokenizer, config.chat_template,
+                                     config.system_prompt, config.enable_thinking))
         answers.append(rec[config.answer_column])
     return PromptSet(prompts, answers)
 
 
 def encode_prompt(prompt: str | list[dict], tokenizer, chat_template: bool = True,
-                  system_prompt: str | None = None) -> list[int]:
-    """Any tokenizer with ``encode`` and ``apply_chat_template`` (returning text or ids)."""
+                  system_prompt: str | None = None,
+                  enable_thinking: bool | None = None) -> list[int]:
+    """Any tokenizer with ``encode`` and ``apply_chat_template`` (returning text or ids);
+    ``enable_thinking`` goes to the template when not None (Qwen3's thinking switch)."""
     if not chat_template:
         if not isinstance(prompt, str):
             raise ConfigError("a prompt given as chat messages needs chat_template: true")
@@ -261,7 +349,8 @@ def encode_prompt(prompt: str | list[dict], tokenizer, chat_template: bool = Tru
     messages = list(prompt) if isinstance(prompt, list) else [{"role": "user", "content": prompt}]
     if system_prompt is not None:
         messages = [{"role": "system", "content": system_prompt}, *messages]
-    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    extra = {} if enable_thinking is None else {"enable_thinking": enable_thinking}
+    out = tokenizer.apply_chat_template(messages, add_generation_prompt=True, **extra)
     return list(tokenizer.encode(out)) if isinstance(out, str) else [int(t) for t in out]
 
 
