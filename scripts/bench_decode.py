@@ -33,11 +33,9 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_decode_gpu import (ATTEND_STAGES, ATTEND_WARPS, _dims,
-                                             attend_page_lists, default_block_pages,
-                                             default_splits, pad_heads, score_keys,
-                                             select_from_keys, select_page_lists,
-                                             sparse_decode_pallas)
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
+                                             pad_heads, score_keys, select_from_keys,
+                                             select_page_lists, sparse_decode_pallas)
 from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds, read_ceiling
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
@@ -74,66 +72,51 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
 
 
 def parse_variant(spec):
-    """'b8s4w4' -> ('kernel_b8s4w4', dict(block_pages=8, splits=4, num_warps=4))."""
-    names = dict(b="block_pages", s="splits", w="num_warps", c="score_chunk", t="select_warps",
-                 r="radix_bits", g="num_stages", f="fuse_select", m="merge_in_kernel",
-                 v="score_warps", l="score_loop", e="score_stages")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctrgfmvle])(\d+)", spec)}
-    for flag in ("fuse_select", "merge_in_kernel"):
-        if flag in kw:
-            kw[flag] = bool(kw[flag])
-    return f"kernel_{spec}", kw
+    """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
+    attend_warps=4))."""
+    names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
+                 t="select_warps", g="attend_stages", v="score_warps")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgv])(\d+)", spec)}
+    return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
-def breakdown_cases(kw, q, k_pages, v_pages, centroids, table, lengths, budgets, kb, b, m,
+def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budgets, kb, b, m,
                     interpret):
-    """Parts of the kernel timed alone (settings of ``kw``): scoring + selection, scoring,
+    """Parts of the kernel timed alone (settings of ``tuning``): scoring + selection, scoring,
     selection from given keys, attention + merge from given lists. Each next call's input
     depends on the last output (through a zero), so the calls stay chained."""
-    kw = dict(kw)
-    score_kw = {k: v for k, v in kw.items()
-                if k in ("score_chunk", "score_warps", "score_loop", "score_stages")}
-    sel_kw = {k: v for k, v in kw.items()
-              if k in ("block_pages", "select_warps", "radix_bits", "fuse_select", *score_kw)}
-    block_pages = kw.get("block_pages", default_block_pages(P))
-    splits = kw.get("splits", default_splits(b, HKV, kb, block_pages))
-    mpad, kpad = _dims(table, kb, kw.get("score_chunk", 64), block_pages)
+    tuning = tuning.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
+    mpad, kpad = list_sizes(m, kb, tuning)
     table_pad = jnp.pad(table, ((0, 0), (0, mpad - m)))
     centroid_bytes = b * HKV * (m - 3) * D * 2
     q_pad = pad_heads(q, HKV)
 
     def select_only(q_, c_, t_, l_, bu_):
         phys, _, count = select_page_lists(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_,
-                                           page_size=P, max_pages=kb, interpret=interpret,
-                                           **sel_kw)
+                                           page_size=P, max_pages=kb, tuning=tuning,
+                                           interpret=interpret)
         return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
 
     def score_only(q_, c_, t_, l_):
         keys = score_keys(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, page_size=P,
-                          interpret=interpret, **score_kw)
+                          tuning=tuning, interpret=interpret)
         return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
 
     keys = score_keys(q_pad, HQ // HKV, centroids, table_pad, lengths, page_size=P,
-                      interpret=interpret, **score_kw)
+                      tuning=tuning, interpret=interpret)
 
     def select_keys_only(keys_, t_, l_, bu_):
         phys, _, count = select_from_keys(keys_, t_, l_, bu_, page_size=P, max_pages=kb,
-                                          kpad=kpad, select_warps=kw.get("select_warps", 4),
-                                          radix_bits=kw.get("radix_bits", 1),
-                                          interpret=interpret)
+                                          kpad=kpad, tuning=tuning, interpret=interpret)
         return keys_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(keys_.dtype)
 
     phys, slots, count = select_page_lists(q_pad, HQ // HKV, centroids, table, lengths,
-                                           budgets, page_size=P, max_pages=kb,
-                                           interpret=interpret, **sel_kw)
+                                           budgets, page_size=P, max_pages=kb, tuning=tuning,
+                                           interpret=interpret)
 
     def attend_only(q_, k_, v_, ph_, sl_, co_, l_):
         return attend_page_lists(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_, l_,
-                                 page_size=P, block_pages=block_pages, splits=splits,
-                                 num_warps=kw.get("num_warps", ATTEND_WARPS),
-                                 num_stages=kw.get("num_stages", ATTEND_STAGES),
-                                 merge_in_kernel=kw.get("merge_in_kernel", False),
-                                 interpret=interpret)
+                                 page_size=P, tuning=tuning, interpret=interpret)
 
     # Diagnostic: every row's list is kb consecutive pages of the pool (same count, same
     # bytes), so the attention reads 2 x kb x 4 KB contiguous per (row, KV head) instead of
@@ -208,10 +191,10 @@ def main(argv=None):
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--skip", nargs="*", default=[], help="implementations not to run")
     ap.add_argument("--kernel-configs", default="b4",
-                    help="kernel variants, comma separated, each letters+numbers: b block_pages, "
-                         "s splits, w warps, c score_chunk, t select warps, r radix bits, "
-                         "g stages, f1 fused score+select, m1 split merge in the kernel, "
-                         "v score warps, l score loop, e score stages (e.g. b4c128t8r2g3f1m1)")
+                    help="kernel variants (GpuDecodeTuning), comma separated, each "
+                         "letters+numbers: b block_pages, s splits, w attention warps, "
+                         "g attention stages, c score_chunk, v score warps, t select warps "
+                         "(e.g. b4s2w2g1c64v4t4)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -278,11 +261,12 @@ def main(argv=None):
                         budget_tokens, functools.partial(sparse_decode, page_size=P,
                                                          impl="reference", max_budget_pages=kb),
                         (q, k_pages, v_pages, table, lengths, budgets), sparse_bytes)
-                for name, kw in variants:
+                for name, tuning in variants:
                     fn = functools.partial(
                         lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_pallas(
                             q_, k_, v_, t_, l_, bu_, centroids=c_, **kw_),
-                        page_size=P, max_budget_pages=kb, interpret=args.interpret, **kw)
+                        page_size=P, max_budget_pages=kb, tuning=tuning,
+                        interpret=args.interpret)
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
@@ -291,8 +275,8 @@ def main(argv=None):
                                             table, lengths, budgets, kb, b, m, args.interpret)
                     cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
                     # Scoring alone with each other variant's settings.
-                    for name, kw in variants[1:]:
-                        part = breakdown_cases(kw, q, k_pages, v_pages, centroids, table,
+                    for name, tuning in variants[1:]:
+                        part = breakdown_cases(tuning, q, k_pages, v_pages, centroids, table,
                                                lengths, budgets, kb, b, m, args.interpret)
                         cases[f"part_score_{name[7:]}@{budget_tokens}"] = part["part_score"]
             refs = {}

@@ -84,11 +84,11 @@ def main(argv=None):
     smem_per_sm = 228 * 1024    # H100: 228 KB per SM, 227 KB per block
     report = {}
     for spec in args.configs:
-        name, kw = parse_variant(spec)
+        name, tuning = parse_variant(spec)
 
-        def fn(q, k, v, c, t, l, bu, kw=kw):
+        def fn(q, k, v, c, t, l, bu, tuning=tuning):
             return sparse_decode_pallas(q, k, v, t, l, bu, centroids=c, page_size=P,
-                                        max_budget_pages=args.budget // P, **kw)
+                                        max_budget_pages=args.budget // P, tuning=tuning)
 
         for kernel, (ir, warps, stages) in capture_ir(fn, *shapes).items():
             stem = f"{name}_{kernel}"

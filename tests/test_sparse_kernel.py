@@ -14,7 +14,8 @@ import pytest
 
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, pad_heads, select_page_lists,
                                               sparse_decode_pallas)
-from reference_np import select_pages_np, sparse_decode_np
+from reference_np import (KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case,
+                          select_pages_np, sparse_decode_np)
 
 INTERPRET = jax.default_backend() == "cpu"
 P = 16
@@ -61,24 +62,14 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, **kw):
     assert out.shape == q.shape and out.dtype == q.dtype
     want, _ = reference(q, k, v, cent, table, lengths, budgets)
     got = as64(out)
-    assert np.isfinite(got).all()
-    rel = np.abs(got - want).max() / np.abs(want).max()
-    # float32: exact math up to rounding; bf16: probabilities rounded to bf16 for P.V and the
-    # output rounded to bf16: within 1e-2 relative.
-    assert rel < (1e-5 if dtype == jnp.float32 else 1e-2), rel
-
-
-# Lengths: 1 token, partial pages, exact page boundaries (48, 320), a long ragged one.
-LENGTHS = [1, 20, 48, 97, 320, 515]
-# Budgets: the minimum 3 (reserved pages only), small, exactly n, more than the sequence.
-BUDGETS = [3, 3, 3, 4, 20, 40]
+    assert_kernel_close(got, want, low_precision=dtype == jnp.bfloat16)
 
 
 @pytest.mark.parametrize("r,d,dtype", [(1, 64, jnp.float32), (5, 128, jnp.float32),
                                        (4, 128, jnp.bfloat16), (8, 64, jnp.bfloat16)])
 def test_matches_float64_reference(r, d, dtype):
     rng = np.random.default_rng(r * 1000 + d)
-    check(rng, lengths=LENGTHS, budgets=BUDGETS, hkv=2, r=r, d=d, dtype=dtype)
+    check(rng, lengths=KERNEL_LENGTHS, budgets=KERNEL_BUDGETS, hkv=2, r=r, d=d, dtype=dtype)
 
 
 @pytest.mark.slow
@@ -87,8 +78,7 @@ def test_matches_float64_reference(r, d, dtype):
 @pytest.mark.parametrize("r", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_full_matrix(r, d, dtype):
     rng = np.random.default_rng(r * 7 + d)
-    lengths = rng.integers(1, 1200, size=5).tolist() + [1024]
-    budgets = [3, int(rng.integers(3, 20)), int(rng.integers(20, 60)), 8, 100, 64]
+    lengths, budgets = random_kernel_case(rng)
     check(rng, lengths=lengths, budgets=budgets, hkv=2, r=r, d=d, dtype=dtype)
 
 
