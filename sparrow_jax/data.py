@@ -213,7 +213,7 @@ class DataConfig:
             try:
                 render_prompt(self.prompt_template, "")
             except ConfigError as e:
-                raise ConfigError(f"data.{e}") from None
+                raise ConfigError(f"data.prompt_template: {e}") from None
 
 
 class PromptSet(NamedTuple):

@@ -31,7 +31,7 @@ SPLITS = ("train", "test", "validation")
 
 def render_prompt(template: str, problem: str) -> str:
     if "{problem}" not in template:
-        raise ConfigError(f"prompt template has no {{problem}} slot: {template!r}")
+        raise ConfigError(f"no {{problem}} slot in the template {template!r}")
     return template.replace("{problem}", problem)
 
 
@@ -139,10 +139,13 @@ def _where_to_put(recipe: Recipe) -> str:
 
 
 def data_files(folder: Path, recipe: Recipe) -> list[Path]:
-    """The recipe's data files in a folder: those of its subset's sub-folder when there is one,
-    and of its split when file names say their split (``test-00000-of-00001.parquet``)."""
-    if recipe.subset is not None and (folder / recipe.subset).is_dir():
-        folder = folder / recipe.subset
+    """The recipe's data files in a folder: those of its subset's sub-folder when there is one
+    (else of a ``data`` sub-folder, where the hub keeps a default subset's files), and of its
+    split when file names say their split (``test-00000-of-00001.parquet``)."""
+    for sub in (recipe.subset, "data"):
+        if sub is not None and (folder / sub).is_dir():
+            folder = folder / sub
+            break
     files = sorted(p for p in folder.rglob("*") if p.suffix in DATA_SUFFIXES and p.is_file()
                    and not any(part.startswith(".") for part in p.relative_to(folder).parts))
 

@@ -197,9 +197,11 @@ class VerifierPool:
                     pass
             for w in self._workers:
                 try:
-                    w.process.wait(2)
+                    # One still importing its verifier would only read the None when ready.
+                    w.process.wait(2 if w.ready else 0)
                 except subprocess.TimeoutExpired:
-                    w.kill()
+                    w.process.kill()
+                    w.process.wait()
                 w.tasks.close()
                 w.conn.close()
             self._workers = []
