@@ -37,9 +37,9 @@ def test_buckets_give_the_full_table_rollout(sparse, monkeypatch):
     widths = []
     run_chunk = engine._run_chunk
 
-    def spy(graphdef, params, state, num_steps, *, static):
+    def spy(graphdef, params, state, budget_values, num_steps, *, static):
         widths.append((state.cache.page_table.shape[1], static.max_budget_pages))
-        return run_chunk(graphdef, params, state, num_steps, static=static)
+        return run_chunk(graphdef, params, state, budget_values, num_steps, static=static)
 
     monkeypatch.setattr(engine, "_run_chunk", spy)
     out = {}

@@ -35,6 +35,8 @@ from sparrow_jax.attention.decode import decode_step, prefill
 from sparrow_jax.attention.paged_cache import SCORERS, PagedKVCache, fork, init_cache
 from sparrow_jax.attention.sparse import IMPLS
 from sparrow_jax.models.qwen3 import check_tokens, logits_from_hidden
+from sparrow_jax.rollout.budget import (BudgetShape, budget_pages, check_bound, gather_width,
+                                        split_schedule)
 from sparrow_jax.rollout.sampling import (SamplingParams, sample_from_logprobs,
                                           scaled_log_softmax, step_keys, stream_keys)
 from sparrow_jax.rollout.types import FinishReason, Rollout
@@ -154,7 +156,7 @@ class _Static(NamedTuple):
     eos_ids: tuple[int, ...]
     stop_sequences: tuple[tuple[int, ...], ...]
     top_k: int
-    schedule: BudgetSchedule | None
+    budget: BudgetShape | None    # the schedule's static part (its values: a loop argument)
     dense_layers: tuple[int, ...]
     scorer: str
     impl: str
@@ -186,7 +188,8 @@ class _Loop(NamedTuple):
 
 def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
              schedule: BudgetSchedule | None = None, *, lora: bool = False,
-             prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None) -> Rollout:
+             prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
+             schedule_bound: BudgetSchedule | None = None) -> Rollout:
     """Samples ``config.n`` responses to each of ``prompts`` (token id lists of any lengths, no
     padding) -> :class:`~sparrow_jax.rollout.types.Rollout` (rows ``i*n .. i*n+n-1`` answer
     prompt i).
@@ -195,6 +198,14 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     token included); None decodes densely. ``lora``: run the actor with its LoRA adapters
     (DistillSparse's sparse actor). Raises before any device work when the pool cannot hold the
     request.
+
+    The schedule's values are an argument of the jitted decode loop, its shape (bin count and
+    width, kind) and ``schedule_bound`` static (:mod:`sparrow_jax.rollout.budget`): a caller that
+    changes the table between calls (the closed-loop controller, docs/design.md, section 9)
+    passes one ``schedule_bound`` (a schedule that gives every length at least the budget of
+    any table it will pass, e.g. ``BudgetSchedule.fixed(max_pages)`` or a ceiling table), and
+    every table of the same shape reuses one compilation. A schedule above its bound raises.
+    None: the schedule bounds itself (a new table compiles anew); ignored for dense rollouts.
 
     Sample j of prompt i draws response position t from ``fold_in(fold_in(fold_in(key,
     prompt_ids[i]), j), t)`` alone (``prompt_ids`` default ``0 .. len(prompts)-1``): its tokens
@@ -245,11 +256,12 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
     lay = _layout(prompts, config, cfg, cache_dtype, mesh)
     width = lay.page_table.shape[1]
+    shape, values, bound = _runtime_schedule(schedule, schedule_bound, width)
     static = _Static(
         sampling=config.sampling, eos_ids=config.eos_ids, stop_sequences=config.stop_sequences,
-        top_k=min(config.logprob_top_k, cfg.vocab_size), schedule=schedule,
+        top_k=min(config.logprob_top_k, cfg.vocab_size), budget=shape,
         dense_layers=config.dense_layers, scorer=config.scorer, impl=config.impl,
-        max_budget_pages=_max_budget_pages(schedule, width), prefill_chunk=config.prefill_chunk,
+        max_budget_pages=_max_budget_pages(bound, width), prefill_chunk=config.prefill_chunk,
         lora=lora, mesh=mesh)
 
     def put(x):
@@ -296,8 +308,8 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
             state = state._replace(cache=state.cache.replace(
                 page_table=put(lay.page_table[:, :w])))
         state, running = _run_chunk(
-            graphdef, params, state, config.steps_per_call,
-            static=static._replace(max_budget_pages=_max_budget_pages(schedule, w)))
+            graphdef, params, state, values, config.steps_per_call,
+            static=static._replace(max_budget_pages=_max_budget_pages(bound, w)))
         steps_done += config.steps_per_call
         running = bool(running)
         if bar is not None:
@@ -483,13 +495,22 @@ def _table_width(tokens: int, page_size: int, width: int, bucket: int | None) ->
     return min(1 << (need - 1).bit_length(), width)
 
 
-def _max_budget_pages(schedule: BudgetSchedule | None, width: int) -> int | None:
-    """The static gather width of the sparse layers: the largest budget the schedule gives any
-    length this batch can reach, capped at the page table's width."""
+def _runtime_schedule(schedule: BudgetSchedule | None, bound: BudgetSchedule | None,
+                      width: int) -> tuple[BudgetShape | None, np.ndarray, BudgetSchedule | None]:
+    """-> (the schedule's static shape, its values, the bound of its gather width): (None, an
+    empty table, None) when dense."""
     if schedule is None:
-        return None
-    lengths = np.arange(1, width * schedule.page_size + 1)
-    return int(min(int(np.max(np.asarray(schedule.budget_pages(lengths)))), width))
+        return None, np.zeros(0, np.int32), None
+    if bound is None:
+        return *split_schedule(schedule), schedule
+    check_bound(schedule, bound, width)
+    return *split_schedule(schedule), bound
+
+
+def _max_budget_pages(bound: BudgetSchedule | None, width: int) -> int | None:
+    """The static gather width of the sparse layers (:func:`~sparrow_jax.rollout.budget.
+    gather_width`); None for dense rollouts."""
+    return None if bound is None else gather_width(bound, width)
 
 
 def _progress(config: RolloutConfig, total: int):
@@ -610,12 +631,14 @@ def _start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, p
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "static"),
                    donate_argnames=("state",))
-def _run_chunk(graphdef, params, state: _Loop, num_steps: int, *,
-               static: _Static) -> tuple[_Loop, jax.Array]:
+def _run_chunk(graphdef, params, state: _Loop, budget_values: jax.Array, num_steps: int,
+               *, static: _Static) -> tuple[_Loop, jax.Array]:
     """Up to ``num_steps`` decode steps, fewer if every row finishes -> (state, any running).
-    Under a mesh each row shard runs its own loop (no communication between them)."""
+    ``budget_values [bins]``: the schedule's values (:func:`~sparrow_jax.rollout.budget.
+    split_schedule`; empty when dense). Under a mesh each row shard runs its own loop (no
+    communication between them)."""
 
-    def body(params, state):
+    def body(params, budget_values, state):
         model = nnx.merge(graphdef, params)
         head = model.head_weight()
 
@@ -623,8 +646,8 @@ def _run_chunk(graphdef, params, state: _Loop, num_steps: int, *,
             i, st = carry
             # The step feeds the last token at position `lengths`; its budget is that of the
             # sequence with the token included (docs/design.md, section 2).
-            budget = (None if static.schedule is None
-                      else static.schedule.budget_pages(st.cache.lengths + 1))
+            budget = (None if static.budget is None
+                      else budget_pages(static.budget, budget_values, st.cache.lengths + 1))
             hidden, cache = decode_step(
                 model, st.cache, st.last, budget_pages=budget, dense_layers=static.dense_layers,
                 scorer=static.scorer, impl=static.impl, active=st.active, lora=static.lora,
@@ -639,7 +662,8 @@ def _run_chunk(graphdef, params, state: _Loop, num_steps: int, *,
         return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
 
     specs = None if static.mesh is None else _loop_specs(state.cache)
-    state = _on_mesh(body, static.mesh, (PartitionSpec(), specs), specs)(params, state)
+    state = _on_mesh(body, static.mesh, (PartitionSpec(), PartitionSpec(), specs), specs)(
+        params, budget_values, state)
     return state, jnp.any(state.active)
 
 

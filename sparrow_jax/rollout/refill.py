@@ -41,7 +41,8 @@ from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_need
 from sparrow_jax.attention.paged_cache import init_cache
 from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.engine import (RolloutConfig, _Loop, _max_budget_pages, _round_up,
-                                        _run_chunk, _start, _Static, _table_width, pool_size)
+                                        _run_chunk, _runtime_schedule, _start, _Static,
+                                        _table_width, pool_size)
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
@@ -93,7 +94,8 @@ class _Slot:
 def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
                     key: jax.Array, schedule: BudgetSchedule | None = None, *, slots: int,
                     prefill_rows: int | None = None, lora: bool = False,
-                    prompt_ids: Sequence[int] | None = None) -> Rollout:
+                    prompt_ids: Sequence[int] | None = None,
+                    schedule_bound: BudgetSchedule | None = None) -> Rollout:
     """:func:`~sparrow_jax.rollout.engine.generate` with ``slots`` decode slots refilled as rows
     finish, pages allocated as rows grow from a pool of ``config.num_pages`` (sized as
     :func:`~sparrow_jax.rollout.engine.pool_size` says). Same arguments and result layout (rows
@@ -101,15 +103,17 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
 
     ``prefill_rows``: the rows one admission prefills, the newcomers padded to it (one
     compilation); None: the next power of two of the newcomers, at most ``slots`` (less padded
-    work, a compilation per power)."""
+    work, a compilation per power). ``schedule_bound``: as in ``generate``."""
     return run_refill(model, prompts, config, key, schedule, slots=slots,
-                      prefill_rows=prefill_rows, lora=lora, prompt_ids=prompt_ids)[0]
+                      prefill_rows=prefill_rows, lora=lora, prompt_ids=prompt_ids,
+                      schedule_bound=schedule_bound)[0]
 
 
 def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
                schedule: BudgetSchedule | None = None, *, slots: int,
                prefill_rows: int | None = None, lora: bool = False,
-               prompt_ids: Sequence[int] | None = None) -> tuple[Rollout, RefillStats]:
+               prompt_ids: Sequence[int] | None = None,
+               schedule_bound: BudgetSchedule | None = None) -> tuple[Rollout, RefillStats]:
     """:func:`generate_refill` -> (rollout, :class:`RefillStats`)."""
     cfg = model.config
     prompts = [list(p) for p in prompts]
@@ -145,11 +149,12 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     for i, x in enumerate(prompts):
         tokens[i, :len(x)] = x
     width = -(-(tp + r) // p)
+    shape, values, bound = _runtime_schedule(schedule, schedule_bound, width)
     static = _Static(
         sampling=config.sampling, eos_ids=config.eos_ids, stop_sequences=config.stop_sequences,
-        top_k=min(config.logprob_top_k, cfg.vocab_size), schedule=schedule,
+        top_k=min(config.logprob_top_k, cfg.vocab_size), budget=shape,
         dense_layers=config.dense_layers, scorer=config.scorer, impl=config.impl,
-        max_budget_pages=_max_budget_pages(schedule, width), prefill_chunk=config.prefill_chunk,
+        max_budget_pages=_max_budget_pages(bound, width), prefill_chunk=config.prefill_chunk,
         lora=lora)
     graphdef, params = nnx.split(model)
     alloc = GrowingPageAllocator(num_pages, p, seed=config.page_seed)
@@ -206,9 +211,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         state = state._replace(cache=state.cache.replace(page_table=jnp.asarray(table[:, :w])))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            state, _ = _run_chunk(graphdef, params, state, c,
+            state, _ = _run_chunk(graphdef, params, state, values, c,
                                   static=static._replace(max_budget_pages=_max_budget_pages(
-                                      schedule, w)))
+                                      bound, w)))
         counters["chunks"] += 1
 
         finish, cache_lengths = np.asarray(state.finish), np.asarray(state.cache.lengths)
