@@ -116,3 +116,21 @@ def test_model_folder_config_is_read_and_unknown_folders_refused(tmp_path):
     with pytest.raises(ConfigError, match=r"^model.path: .*Llama-7B has no config.json and "
                                           r"'llama-7b' is no preset of configs/models"):
         dry_run(run_file_from_dict(base))
+
+
+@pytest.mark.parametrize("name", ["qwen3-1.7b-polaris.yaml", "qwen3-4b-polaris.yaml"])
+def test_math_recipe_configs_pass_the_dry_run(name, capsys):
+    """The paper's math runs (README, "Math RL recipe"): its hyper-parameters, and they fit."""
+    from sparrow_jax.rl.rewards import math_options
+
+    assert main(["train", "--config", str(CONFIG_DIR / name), "--dry-run"]) == 0
+    assert capsys.readouterr().out.rstrip().endswith("fits")
+    c = load_run_file(CONFIG_DIR / name).config
+    loss = c.update.loss
+    assert (c.data.recipe, c.reward, c.rollout.samples_per_prompt, c.rollout.max_new_tokens,
+            c.eval_samples) == ("polaris", "math", 8, 32768, 16)
+    assert (c.optim.learning_rate, c.optim.weight_decay, loss.correction, loss.tis_cap,
+            loss.clip_low, loss.clip_high, loss.dual_clip) == (1e-6, 0.01, "tis", 3, 0.2, 0.28, 3)
+    assert c.schedule == {"paper": name.removesuffix("-polaris.yaml")}
+    assert set(c.data.eval_sets) == {"aime24", "aime25", "aime26", "amc", "math500", "gsm8k"}
+    assert math_options(c.reward_options).after_think is False
