@@ -68,7 +68,8 @@ def _name(fn: Callable[..., Any]) -> str:
 
 
 def _serve(tasks: Connection, results: Connection, fn, warm, memory_mb) -> None:
-    """A worker's loop: ``(index, args)`` in, ``(index, ok, value)`` out, until None."""
+    """A worker's loop: ``(index, args)`` in, ``(index, ok, value)`` out, until the pool
+    kills it."""
     if memory_mb is not None:
         import resource
 
@@ -78,10 +79,7 @@ def _serve(tasks: Connection, results: Connection, fn, warm, memory_mb) -> None:
         warm()
     results.send("ready")
     while True:
-        task = tasks.recv()
-        if task is None:
-            return
-        index, args = task
+        index, args = tasks.recv()
         try:
             results.send((index, True, fn(*args)))
         except Exception as e:          # the verifier's failure is this call's, not the pool's
@@ -189,21 +187,11 @@ class VerifierPool:
         return results
 
     def close(self) -> None:
+        """Ends the workers (killed: they hold nothing to save, and a clean interpreter exit
+        with sympy loaded costs more than the kill)."""
         with self._lock:
             for w in self._workers:
-                try:
-                    w.tasks.send(None)
-                except OSError:
-                    pass
-            for w in self._workers:
-                try:
-                    # One still importing its verifier would only read the None when ready.
-                    w.process.wait(2 if w.ready else 0)
-                except subprocess.TimeoutExpired:
-                    w.process.kill()
-                    w.process.wait()
-                w.tasks.close()
-                w.conn.close()
+                w.kill()
             self._workers = []
 
     def __enter__(self):
