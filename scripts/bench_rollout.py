@@ -4,13 +4,16 @@ weights), dense vs the paper's sparse schedule, timed on the GPU in one process.
 Phases (``--phase``; each writes one JSON file and prints its tables):
 
 * ``profile``: one random KV cache as wide as a 32K generation for every row (the page table,
-  pool and loop state of ``generate(max_new_tokens=32768)``), at the largest batch that fits the
+  pool and loop state of ``generate(max_new_tokens=32768)``, built by
+  ``sparrow_jax.rollout.profile.fixed_context_batch``), at the largest batch that fits the
   device (``--batch 0``: computed from the free memory). For each mode the engine's own jitted
-  chunk (``rollout.engine._run_chunk``: ``decode_step`` + LM head + sampling + bookkeeping, in
-  the engine's ``while_loop``, so consecutive steps are chained) runs at fixed contexts; per step
-  = chunk time / steps. Integrated over a 0..32K generation (every row generating to 32K,
-  linear interpolation between the measured contexts): tokens/s = batch * 32768 / sum of step
-  times, and the sparse/dense ratio. Split of the step: the same loop with attention replaced by
+  chunk (``sparrow_jax.rollout.engine.decode_chunk``: ``decode_step`` + LM head + sampling +
+  bookkeeping, in the engine's ``while_loop``, so consecutive steps are chained) runs at fixed
+  contexts (``sparrow_jax.rollout.profile.time_context``); per step = chunk time / steps.
+  ``--mesh 2,1,1`` / ``--mesh 1,1,2``: the same on generate's data / tensor mesh. Integrated
+  over a 0..32K generation (every row generating to 32K, linear interpolation between the
+  measured contexts): tokens/s = batch * 32768 / sum of step times, and the sparse/dense
+  ratio. Split of the step: the same loop with attention replaced by
   the query itself (KV still written) and, further, with the LM head and sampling replaced by an
   argmax over 256 hidden units: attention = step - no_attention, LM head + sampling =
   no_attention - no_attention_no_head, the rest of the layers (matmuls, norms, RoPE, KV write)
@@ -29,7 +32,8 @@ centroids of the scored pages plus its budget's pages of K and V. Floor = bytes 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_rollout.py \
         --phase profile --out $OUT/rollout_profile.json
 
-CPU smoke test (tiny shapes): ``--model tiny --contexts 40 80 --max-new 128 --batch 2``.
+CPU smoke test (tiny shapes): ``--model tiny --dtype float32 --contexts 40 80 --max-new 128
+--batch 2 --steps 8``.
 """
 
 from __future__ import annotations
@@ -47,14 +51,16 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparrow_jax.attention.allocator import pages_needed
+from sparrow_jax.attention.paged_cache import append_token
 from sparrow_jax.benchmarking import peak_bytes, read_ceiling
-from sparrow_jax.attention.allocator import PageAllocator
-from sparrow_jax.attention.paged_cache import PagedKVCache, append_token
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
-from sparrow_jax.rollout import engine
+from sparrow_jax.rollout.decode_loop import emit, top_k
 from sparrow_jax.rollout.engine import RolloutConfig, generate
+from sparrow_jax.rollout.profile import fixed_context_batch, time_context
 from sparrow_jax.schedule import BudgetSchedule
+from sparrow_jax.sharding import MeshConfig, make_mesh
 
 MODES = ("dense", "sparse")
 PROFILE_CONTEXTS = (128, 2048, 4096, 6144, 8192, 12288, 16384, 20480, 24576, 28672, 32768)
@@ -76,35 +82,14 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 
 # ------------------------------------------------------------------------------ set-up
 BUCKET = [256]   # RolloutConfig.table_bucket_pages (--table-bucket)
+STEPS = [64]     # RolloutConfig.steps_per_call (--steps)
 
 
-def rollout_config(max_new: int, prompt_len: int) -> RolloutConfig:
+def rollout_config(max_new: int) -> RolloutConfig:
     """Training-style sampling (temperature 1, no EOS), the engine's defaults otherwise."""
-    del prompt_len
     return RolloutConfig(n=1, max_new_tokens=max_new, temperature=1.0, eos_ids=(),
-                         table_bucket_pages=BUCKET[0])
-
-
-def static_for(rc: RolloutConfig, cfg: ModelConfig, schedule, width: int) -> engine._Static:
-    """The engine's static settings, built as ``generate`` builds them (same jit cache key)."""
-    return engine._Static(
-        sampling=rc.sampling, eos_ids=rc.eos_ids, stop_sequences=rc.stop_sequences,
-        top_k=min(rc.logprob_top_k, cfg.vocab_size), schedule=schedule,
-        dense_layers=rc.dense_layers, scorer=rc.scorer, impl=rc.impl,
-        max_budget_pages=engine._max_budget_pages(schedule, width),
-        prefill_chunk=rc.prefill_chunk, lora=False)
-
-
-def layout(rc: RolloutConfig, cfg: ModelConfig, batch: int, prompt_len: int):
-    """(num_pages, width, padded prompt length, allocation) as ``generate`` computes them."""
-    p = rc.page_size
-    lengths = np.full(batch, prompt_len, np.int32)
-    prompt_pad = engine._round_up(prompt_len, rc.prompt_multiple)
-    width = -(-(prompt_pad + rc.max_new_tokens) // p)
-    num_pages = engine.pool_size(rc, cfg, lengths, DTYPE[0])
-    alloc = PageAllocator(num_pages, p).allocate(lengths, 1, rc.max_new_tokens,
-                                                 max_pages_per_seq=width)
-    return num_pages, width, prompt_pad, alloc
+                         table_bucket_pages=BUCKET[0], steps_per_call=STEPS[0],
+                         cache_dtype=jnp.dtype(DTYPE[0]).name)
 
 
 def bytes_per_row(cfg: ModelConfig, rc: RolloutConfig, prompt_len: int) -> int:
@@ -113,65 +98,17 @@ def bytes_per_row(cfg: ModelConfig, rc: RolloutConfig, prompt_len: int) -> int:
     p = rc.page_size
     per_page = (cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (2 * p + 1)
                 * jnp.dtype(DTYPE[0]).itemsize)
-    pages = int(engine.pages_needed(np.array([prompt_len]), 1, rc.max_new_tokens, p)[0])
+    pages = int(pages_needed(np.array([prompt_len]), 1, rc.max_new_tokens, p)[0])
     r, k = rc.max_new_tokens, rc.logprob_top_k
     state = 4 * (r + 64) + 4 * r * (2 + 2 * k) + 4 * cfg.num_hidden_layers * (
         cfg.num_key_value_heads * cfg.head_dim)
     return pages * per_page + state
 
 
-@functools.partial(jax.jit, static_argnames=("shape", "dtype"))
-def _random_layer(key, shape, dtype):
-    return jax.random.normal(key, shape, jnp.float32).astype(dtype)
-
-
-def _random_pages(key, shape, dtype):
-    """Normal random arrays, one per layer: ``shape = (L, ...)`` -> L arrays ``shape[1:]``."""
-    return tuple(_random_layer(jax.random.fold_in(key, layer), shape[1:], dtype)
-                 for layer in range(shape[0]))
-
-
-def random_state(cfg: ModelConfig, rc: RolloutConfig, batch: int, prompt_len: int, key):
-    """The engine's loop state for ``batch`` rows of a ``generate(max_new_tokens=R)`` call,
-    with a random cache (keys, values and centroids normal) in every page; contexts are set
-    with :func:`at_context`."""
-    num_pages, width, prompt_pad, alloc = layout(rc, cfg, batch, prompt_len)
-    L, H, D, P = (cfg.num_hidden_layers, cfg.num_key_value_heads, cfg.head_dim, rc.page_size)
-    dtype = DTYPE[0]
-    keys = jax.random.split(key, 6)
-    cache = PagedKVCache(
-        k_pages=_random_pages(keys[0], (L, H, num_pages, P, D), dtype),
-        v_pages=_random_pages(keys[1], (L, H, num_pages, P, D), dtype),
-        page_table=jnp.asarray(alloc.page_table),
-        lengths=jnp.full((batch,), prompt_len, jnp.int32),
-        centroids=_random_pages(keys[2], (L, H, num_pages, D), dtype),
-        partial_sum=jnp.zeros((L, batch, H, D), jnp.float32), page_size=P)
-    r, k = rc.max_new_tokens, min(rc.logprob_top_k, cfg.vocab_size)
-    tokens = jax.random.randint(keys[3], (batch, prompt_pad + r), 0, cfg.vocab_size, jnp.int32)
-    state = engine._Loop(
-        cache=cache, tokens=tokens, prompt_lengths=jnp.full((batch,), prompt_len, jnp.int32),
-        last=tokens[:, 0], response_lengths=jnp.ones((batch,), jnp.int32),
-        finish=jnp.full((batch,), engine._UNFINISHED, jnp.int32),
-        logprobs=jnp.zeros((batch, r), jnp.float32), topk_ids=jnp.zeros((batch, r, k), jnp.int32),
-        topk_logprobs=jnp.full((batch, r, k), -jnp.inf, jnp.float32),
-        budgets=jnp.zeros((batch, r), jnp.int32), streams=jax.random.split(keys[4], batch))
-    return jax.block_until_ready(state), (width, np.asarray(alloc.page_table))
-
-
-def at_context(state: engine._Loop, length: int) -> engine._Loop:
-    """Every row with ``length`` tokens in its cache (prompt + response - 1, as in the loop)."""
-    b = state.last.shape[0]
-    p = state.prompt_lengths
-    return state._replace(
-        cache=state.cache.replace(lengths=jnp.full((b,), length, jnp.int32)),
-        response_lengths=jnp.full((b,), length, jnp.int32) - p + 1,
-        finish=jnp.full((b,), engine._UNFINISHED, jnp.int32))
-
-
 # ------------------------------------------------------------------------------ timing
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "static", "variant"),
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "settings", "variant"),
                    donate_argnames=("state",))
-def _variant_chunk(graphdef, params, state, num_steps, *, static, variant):
+def _variant_chunk(graphdef, params, state, num_steps, *, settings, variant):
     """The engine's loop body with attention replaced by the query (K/V still written) and,
     for ``variant="no_attention_no_head"``, the LM head + sampling + bookkeeping replaced by an
     argmax over 256 hidden units (the next step still depends on this one)."""
@@ -187,71 +124,42 @@ def _variant_chunk(graphdef, params, state, num_steps, *, static, variant):
             return q, append_token(c, layer, k[:, 0], v[:, 0], pos, active)
 
         hidden, cache = model.forward(st.last[:, None], pos[:, None], attend=attend, state=cache,
-                                      lora=static.lora)
+                                      lora=settings.lora)
         hidden = hidden[:, 0]
         st = st._replace(cache=cache)
         if variant == "no_attention":
-            return engine._emit(st, hidden, head, jnp.zeros_like(st.last), static)
+            return emit(st, hidden, head, jnp.zeros_like(st.last), settings)
         token = jnp.argmax(hidden[:, :256].astype(jnp.float32), axis=-1).astype(jnp.int32)
         return st._replace(last=token)
 
     return jax.lax.fori_loop(0, num_steps, body, state)
 
 
-def run_chunk(graphdef, params, state, steps, static, variant="engine"):
-    if variant == "engine":
-        state, _ = engine._run_chunk(graphdef, params, state, steps, static=static)
-        return state
-    return _variant_chunk(graphdef, params, state, steps, static=static, variant=variant)
-
-
-def time_contexts(graphdef, params, state, static, contexts, *, steps, repeats, limit, table,
-                  variant="engine", label=""):
-    """Per-step seconds at each context: ``repeats`` chunks of ``steps`` chained steps from a
-    start placed so that their mean context is the one asked for (clamped so no row reaches
-    the response capacity), each chunk seeing the page-table width ``generate`` would give
-    it (``table = (full width, host table)``; the width that holds the last chunk). -> (state,
-    rows)."""
+def time_contexts(batch, graphdef, params, state, contexts, *, repeats, variant="engine",
+                  label=""):
+    """Per-step seconds at each context (:func:`sparrow_jax.rollout.profile.time_context`: the
+    engine's own chunk, or a variant of its body) -> (state, rows)."""
+    run = None
+    if variant != "engine":
+        def run(st, reach):
+            del reach   # the variants attend to nothing: any table width
+            return _variant_chunk(graphdef, params, st, batch.config.steps_per_call,
+                                  settings=batch.settings, variant=variant)
     rows = []
-    warmed = set()
-    width, host_table = table
-    page_size = state.cache.page_size
     for ctx in contexts:
-        span = steps * repeats
-        start = max(1, min(ctx - span // 2, limit - span - 1))
-        w = engine._table_width(start + span + 1, page_size, width, BUCKET[0])
-        if state.cache.page_table.shape[1] != w:
-            state = state._replace(cache=state.cache.replace(
-                page_table=jnp.asarray(host_table[:, :w])))
-        static = static._replace(max_budget_pages=engine._max_budget_pages(static.schedule, w))
-        state = at_context(state, start)
-        if w not in warmed:
-            warmed.add(w)
-            c0 = _compile_seconds[0]
-            t0 = time.perf_counter()
-            state = jax.block_until_ready(run_chunk(graphdef, params, state, steps, static,
-                                                    variant))
-            print(f"  {label} {variant} table width {w}: compile + first chunk "
-                  f"{time.perf_counter() - t0:.1f} s (compile {_compile_seconds[0] - c0:.1f} s)",
-                  flush=True)
-            state = at_context(state, start)
-        times = []
-        for _ in range(repeats):
-            t0 = time.perf_counter()
-            state = jax.block_until_ready(run_chunk(graphdef, params, state, steps, static,
-                                                    variant))
-            times.append((time.perf_counter() - t0) / steps)
-        active = bool(jnp.all(state.active))
-        got = int(state.cache.lengths[0])
-        if not active or got != start + span:
-            raise RuntimeError(f"{label} {variant} at {ctx}: rows stopped (active={active}, "
-                               f"length {got}, expected {start + span})")
-        mean_ctx = start + span / 2
+        c0 = _compile_seconds[0]
+        state, timing = time_context(batch, graphdef, params, state, ctx, repeats=repeats,
+                                     run=run)
+        times = timing.step_seconds
         t = statistics.median(times)
-        rows.append(dict(context=ctx, mean_context=mean_ctx, table_width=w, step_ms=1e3 * t,
-                         step_ms_all=[1e3 * x for x in times]))
-        print(f"  {label} {variant} ctx {mean_ctx:.0f}: {1e3 * t:.3f} ms/step "
-              f"(spread {1e3 * (max(times) - min(times)):.3f})", flush=True)
+        rows.append(dict(context=ctx, mean_context=timing.mean_context,
+                         table_width=timing.table_width, gather_width=timing.gather_width,
+                         step_ms=1e3 * t, step_ms_all=[1e3 * x for x in times]))
+        print(f"  {label} {variant} ctx {timing.mean_context:.0f} (table width "
+              f"{timing.table_width}): {1e3 * t:.3f} ms/step (spread "
+              f"{1e3 * (max(times) - min(times)):.3f}; first chunk "
+              f"{timing.first_chunk_seconds:.1f} s, compile {_compile_seconds[0] - c0:.1f} s)",
+              flush=True)
     return state, rows
 
 
@@ -264,7 +172,7 @@ def integrate(rows, first: int, last: int) -> float:
     return float(np.interp(lengths, xs, ys).sum())
 
 
-def emit_breakdown(model, batch, static, iters=200):
+def emit_breakdown(model, batch, settings, iters=200):
     """ms per step of the LM head and sampling pieces, each in a chained loop (the next hidden
     state is the embedding of the token drawn): head (logits + argmax), + log_softmax,
     + sampling, + top-k (the engine's ``lax.top_k``), and the two-stage top-k instead."""
@@ -272,7 +180,7 @@ def emit_breakdown(model, batch, static, iters=200):
     from sparrow_jax.rollout.sampling import sample_from_logprobs, scaled_log_softmax
 
     head = model.head_weight()
-    k = static.top_k
+    k = settings.top_k
     h0 = jax.random.normal(jax.random.key(5), (batch, head.shape[1]), head.dtype)
     out = {}
     for kind in ("head", "log_softmax", "sample", "top_k", "top_k_two_stage"):
@@ -282,15 +190,15 @@ def emit_breakdown(model, batch, static, iters=200):
             if kind == "head":
                 tok = jnp.argmax(logits, axis=-1)
             else:
-                logp = scaled_log_softmax(logits, static.sampling.temperature)
+                logp = scaled_log_softmax(logits, settings.sampling.temperature)
                 if kind == "log_softmax":
                     tok = jnp.argmax(logp, axis=-1)
                 else:
                     key, sub = jax.random.split(key)
-                    tok, lp = sample_from_logprobs(sub, logp, static.sampling)
+                    tok, lp = sample_from_logprobs(sub, logp, settings.sampling)
                     if kind != "sample":
                         top = (jax.lax.top_k(logp, k) if kind == "top_k"
-                               else engine.top_k(logp, k))
+                               else top_k(logp, k))
                         tok = jnp.where(top[0][:, 0] + lp > -jnp.inf, tok, top[1][:, 1])
             return head[tok.astype(jnp.int32)], key
 
@@ -305,7 +213,7 @@ def emit_breakdown(model, batch, static, iters=200):
         print(f"  emit breakdown {kind}: {out[kind]:.3f} ms/step", flush=True)
     # Same ids and values as lax.top_k.
     logp = jax.nn.log_softmax(logits_from_hidden(h0, head).astype(jnp.float32), axis=-1)
-    a, b = jax.lax.top_k(logp, k), engine.top_k(logp, k)
+    a, b = jax.lax.top_k(logp, k), top_k(logp, k)
     out["two_stage_matches"] = bool(jnp.all(a[1] == b[1]) & jnp.all(a[0] == b[0]))
     return out
 
@@ -353,24 +261,26 @@ def schedule_for(mode):
     return None if mode == "dense" else BudgetSchedule.paper("qwen3-1.7b")
 
 
-def phase_profile(args, model, cfg, graphdef, params, ceiling, wbytes, out):
-    rc = rollout_config(args.max_new, args.prompt_len)
+def phase_profile(args, model, cfg, ceiling, wbytes, out, mesh):
+    rc = rollout_config(args.max_new)
     if args.batch:
         batch, mem = args.batch, {}
     else:
         batch, mem = pick_batch(cfg, rc, args.prompt_len, model, args.margin_gib)
     out.update(batch=batch, memory=mem, max_new=args.max_new)
-    state, table = random_state(cfg, rc, batch, args.prompt_len, jax.random.key(1))
-    width = table[0]
-    out["peak_bytes_after_cache"] = peak_bytes()
     limit = args.prompt_len + args.max_new - 1   # a row finishes when its length reaches this
     contexts = [c for c in args.contexts if c < limit + args.steps] or args.contexts
     out["modes"] = {}
+    state = None
     for mode in args.modes:
         sched = schedule_for(mode)
-        static = static_for(rc, cfg, sched, width)
-        state, rows = time_contexts(graphdef, params, state, static, contexts, steps=args.steps,
-                                    repeats=args.repeats, limit=limit, table=table, label=mode)
+        del state   # one batch's pool at a time
+        plan, graphdef, params, state = fixed_context_batch(
+            model, rc, rows=batch, prompt_len=args.prompt_len, key=jax.random.key(1),
+            schedule=sched, mesh=mesh)
+        out.setdefault("peak_bytes_after_cache", peak_bytes())
+        state, rows = time_contexts(plan, graphdef, params, state, contexts,
+                                    repeats=args.repeats, label=mode)
         for r in rows:
             kb = kv_bytes(cfg, batch, int(r["mean_context"]), sched, rc.dense_layers)
             r.update(bytes=wbytes + kb, floor_ms=1e3 * (wbytes + kb) / (ceiling * 1e9))
@@ -382,31 +292,28 @@ def phase_profile(args, model, cfg, graphdef, params, ceiling, wbytes, out):
         out["ratio"] = (out["modes"]["sparse"]["tokens_per_s"]
                         / out["modes"]["dense"]["tokens_per_s"])
     if args.split:
-        static = static_for(rc, cfg, None, width)
         split_ctx = [min(args.contexts[-1], 16384)]
         split = {}
         for variant in ("no_attention", "no_attention_no_head"):
-            state, rows = time_contexts(graphdef, params, state, static, split_ctx,
-                                        steps=args.steps, repeats=args.repeats, limit=limit,
-                                        table=table, variant=variant, label="split")
+            state, rows = time_contexts(plan, graphdef, params, state, split_ctx,
+                                        repeats=args.repeats, variant=variant, label="split")
             split[variant] = rows[0]["step_ms"]
         out["split"] = split
     if args.emit_breakdown:
-        out["emit_breakdown"] = emit_breakdown(model, batch, static_for(rc, cfg, None, width))
+        out["emit_breakdown"] = emit_breakdown(model, batch, plan.settings)
     out["peak_bytes"] = peak_bytes()
     del state
 
 
-def phase_check(args, model, cfg, graphdef, params, ceiling, wbytes, out):
-    rc = rollout_config(args.max_new, args.prompt_len)
+def phase_check(args, model, cfg, ceiling, wbytes, out, mesh):
+    rc = rollout_config(args.max_new)
     batch = args.batch
     if not batch:
-        full = rollout_config(32768, args.prompt_len)
+        full = rollout_config(32768)
         batch, mem = pick_batch(cfg, full, args.prompt_len, model, args.margin_gib)
         out["memory"] = mem
     out.update(batch=batch, max_new=args.max_new)
-    limit = args.prompt_len + args.max_new - 1
-    contexts = sorted({min(c, limit) for c in args.contexts})
+    contexts = sorted({min(c, args.prompt_len + args.max_new - 1) for c in args.contexts})
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (batch, args.prompt_len)).tolist()
     profile = None
@@ -416,18 +323,19 @@ def phase_check(args, model, cfg, graphdef, params, ceiling, wbytes, out):
     out["modes"] = {}
     for mode in args.modes:
         sched = schedule_for(mode)
-        state, table = random_state(cfg, rc, batch, args.prompt_len, jax.random.key(2))
-        static = static_for(rc, cfg, sched, table[0])
-        state, rows = time_contexts(graphdef, params, state, static, contexts, steps=args.steps,
-                                    repeats=args.repeats, limit=limit, table=table, label=mode)
-        del state
+        plan, graphdef, params, state = fixed_context_batch(
+            model, rc, rows=batch, prompt_len=args.prompt_len, key=jax.random.key(2),
+            schedule=sched, mesh=mesh)
+        state, rows = time_contexts(plan, graphdef, params, state, contexts,
+                                    repeats=args.repeats, label=mode)
+        del state, params
         # Decode steps of the run: the first token comes from the prefill; step j (1-based)
         # attends to prompt + j tokens.
         first, last = args.prompt_len + 1, args.prompt_len + args.max_new - 1
         predicted = integrate(rows, first, last)
         c0 = _compile_seconds[0]
         t0 = time.perf_counter()
-        rollout = generate(model, prompts, rc, jax.random.key(3), schedule=sched)
+        rollout = generate(model, prompts, rc, jax.random.key(3), schedule=sched, mesh=mesh)
         jax.block_until_ready(rollout.tokens)
         wall = time.perf_counter() - t0
         compile_s = _compile_seconds[0] - c0
@@ -530,8 +438,20 @@ def main(argv=None):
                     help="RolloutConfig.table_bucket_pages (0: always the full table width)")
     ap.add_argument("--emit-breakdown", action=argparse.BooleanOptionalAction, default=True,
                     help="profile: time the LM head and the sampling pieces apart")
+    ap.add_argument("--mesh", default=None, metavar="DATA,FSDP,TENSOR",
+                    help="profile/check on a (data, fsdp, tensor) mesh of that many devices "
+                         "(generate's mesh support; needs --batch, no --split or "
+                         "--emit-breakdown)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    mesh = None
+    if args.mesh:
+        sizes = tuple(int(x) for x in args.mesh.split(","))
+        if len(sizes) != 3 or not args.batch:
+            raise SystemExit(f"--mesh {args.mesh!r}: give three axis sizes, and a --batch")
+        mesh = make_mesh(MeshConfig(data=sizes[0], fsdp=sizes[1], tensor=sizes[2]),
+                         jax.devices()[:int(np.prod(sizes))])
+        args.split = args.emit_breakdown = False
     if args.max_new is None:
         args.max_new = 32768 if args.phase == "profile" else 8192
     if args.contexts is None:
@@ -545,8 +465,8 @@ def main(argv=None):
     small = jax.default_backend() == "cpu"
     DTYPE[0] = jnp.dtype(args.dtype)
     BUCKET[0] = args.table_bucket or None
+    STEPS[0] = args.steps
     model = init_model(cfg, dtype=DTYPE[0], param_dtype=DTYPE[0])
-    graphdef, params = nnx.split(model)
     ceiling = read_ceiling(small=small)
     wbytes = weight_bytes(model)
     print(f"read ceiling {ceiling:.0f} GB/s; weights {wbytes / 1e9:.2f} GB", flush=True)
@@ -554,13 +474,13 @@ def main(argv=None):
                backend=jax.default_backend(), jax=jax.__version__,
                date=datetime.date.today().isoformat(), model=args.model,
                read_ceiling_gb_s=ceiling, weight_bytes=wbytes, prompt_len=args.prompt_len,
-               steps=args.steps, repeats=args.repeats)
+               steps=args.steps, repeats=args.repeats, mesh=args.mesh)
     t0 = time.perf_counter()
     try:
         if args.phase == "profile":
-            phase_profile(args, model, cfg, graphdef, params, ceiling, wbytes, out)
+            phase_profile(args, model, cfg, ceiling, wbytes, out, mesh)
         else:
-            phase_check(args, model, cfg, graphdef, params, ceiling, wbytes, out)
+            phase_check(args, model, cfg, ceiling, wbytes, out, mesh)
     finally:
         out["seconds"] = time.perf_counter() - t0
         out["compile_seconds"] = _compile_seconds[0]

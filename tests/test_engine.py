@@ -221,10 +221,10 @@ def test_bad_requests_are_named(model):
 
 
 def test_similar_batches_reuse_one_compilation(model):
-    from sparrow_jax.rollout import engine
+    from sparrow_jax.rollout.decode_loop import run_chunk
 
     cfg = _config(n=2, temperature=1.0)
     generate(model, _prompts((9, 3)), cfg, jax.random.key(0))
-    before = engine._run_chunk._cache_size()
+    before = run_chunk._cache_size()
     generate(model, _prompts((4, 12), seed=5), cfg, jax.random.key(1))
-    assert engine._run_chunk._cache_size() == before
+    assert run_chunk._cache_size() == before

@@ -11,6 +11,7 @@ import pytest
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout import engine
+from sparrow_jax.rollout.decode_loop import table_width
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.schedule import BudgetSchedule
 
@@ -21,11 +22,11 @@ CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidde
 
 
 def test_table_width():
-    assert engine._table_width(10, 4, 100, None) == 100
-    assert engine._table_width(10, 4, 100, 1) == 4          # 3 pages -> 4
-    assert engine._table_width(10, 4, 100, 8) == 8          # at least the bucket
-    assert engine._table_width(300, 4, 100, 8) == 100       # capped at the full width
-    assert engine._table_width(16, 4, 100, 1) == 4
+    assert table_width(10, 4, 100, None) == 100
+    assert table_width(10, 4, 100, 1) == 4          # 3 pages -> 4
+    assert table_width(10, 4, 100, 8) == 8          # at least the bucket
+    assert table_width(300, 4, 100, 8) == 100       # capped at the full width
+    assert table_width(16, 4, 100, 1) == 4
 
 
 @pytest.mark.parametrize("sparse", [False, True])
@@ -35,13 +36,13 @@ def test_buckets_give_the_full_table_rollout(sparse, monkeypatch):
     prompts = [rng.integers(1, V, n).tolist() for n in (5, 8, 21)]
     schedule = BudgetSchedule.fixed(4, page_size=P) if sparse else None
     widths = []
-    run_chunk = engine._run_chunk
+    run_chunk = engine.run_chunk
 
-    def spy(graphdef, params, state, budget_values, num_steps, *, static):
-        widths.append((state.cache.page_table.shape[1], static.max_budget_pages))
-        return run_chunk(graphdef, params, state, budget_values, num_steps, static=static)
+    def spy(graphdef, params, state, budget_values, num_steps, *, settings):
+        widths.append((state.cache.page_table.shape[1], settings.max_budget_pages))
+        return run_chunk(graphdef, params, state, budget_values, num_steps, settings=settings)
 
-    monkeypatch.setattr(engine, "_run_chunk", spy)
+    monkeypatch.setattr(engine, "run_chunk", spy)
     out = {}
     for bucket in (None, 1):
         widths.clear()

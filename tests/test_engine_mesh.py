@@ -82,14 +82,14 @@ def _check_pool_is_split(mesh) -> None:
     """Each device holds its row shard's pool (a block of the page axis) and its KV heads."""
     import jax.numpy as jnp
 
-    from sparrow_jax.rollout import engine
+    from sparrow_jax.rollout.decode_loop import sharded_cache
 
     groups, tensor = mesh.shape["data"] * mesh.shape["fsdp"], mesh.shape["tensor"]
     table = jax.device_put(np.zeros((groups * 2, 3), np.int32),
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
                                ("data", "fsdp"))))
-    cache = engine._sharded_cache(CFG, 7, table, page_size=P, dtype=jnp.float32,
-                                  scorer="centroid", mesh=mesh)
+    cache = sharded_cache(CFG, 7, table, page_size=P, dtype=jnp.float32, scorer="centroid",
+                          mesh=mesh)
     h, d = CFG.num_key_value_heads, CFG.head_dim
     assert cache.k_pages[0].shape == (h, groups * 7, P, d)
     for shard in cache.k_pages[0].addressable_shards:

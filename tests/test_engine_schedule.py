@@ -10,7 +10,8 @@ import pytest
 
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
-from sparrow_jax.rollout import budget, engine
+from sparrow_jax.rollout import budget
+from sparrow_jax.rollout.decode_loop import run_chunk
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.schedule import BudgetSchedule
 
@@ -85,10 +86,10 @@ def test_ten_tables_one_compilation_same_tokens(model):
     prompts = _prompts()
     config = _config()
     key = jax.random.key(0)
-    before = engine._run_chunk._cache_size()
+    before = run_chunk._cache_size()
     runs = [generate(model, prompts, config, key, schedule=t, schedule_bound=bound)
             for t in tables]
-    assert engine._run_chunk._cache_size() == before + 1
+    assert run_chunk._cache_size() == before + 1
     budgets = set()
     for table, got in zip(tables, runs):
         fresh = generate(model, prompts, config, key, schedule=table)   # self-bounded, static

@@ -1,4 +1,4 @@
-"""The engine's two-stage top-k (``rollout.engine.top_k``) against ``lax.top_k``."""
+"""The engine's two-stage top-k (``rollout.decode_loop.top_k``) against ``lax.top_k``."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.rollout.engine import top_k
+from sparrow_jax.rollout.decode_loop import top_k
 
 
 @pytest.mark.parametrize("v", [2000, 1187 * 128, 4096 + 5])

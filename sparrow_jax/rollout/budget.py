@@ -79,4 +79,18 @@ def check_bound(schedule: BudgetSchedule, bound: BudgetSchedule, width: int) -> 
                          f"{int(lengths[i])}, above the bound's {int(limit[i])}")
 
 
-__all__ = ["BudgetShape", "split_schedule", "budget_pages", "gather_width", "check_bound"]
+def runtime_schedule(schedule: BudgetSchedule | None, bound: BudgetSchedule | None,
+                     width: int) -> tuple[BudgetShape | None, np.ndarray, BudgetSchedule | None]:
+    """A call's schedule for the decode loop -> (its shape, its values, the bound of its gather
+    width): ``bound`` checked (:func:`check_bound`), or the schedule itself when None; (None,
+    an empty table, None) when dense (``schedule`` None; the bound is then ignored)."""
+    if schedule is None:
+        return None, np.zeros(0, np.int32), None
+    if bound is None:
+        return *split_schedule(schedule), schedule
+    check_bound(schedule, bound, width)
+    return *split_schedule(schedule), bound
+
+
+__all__ = ["BudgetShape", "split_schedule", "budget_pages", "gather_width", "check_bound",
+           "runtime_schedule"]

@@ -1,13 +1,14 @@
 """The rollout engine: dense prefill, then a jitted decode loop on the paged cache that gives each
 sequence the budget the schedule assigns to its current length (docs/design.md, sections 2, 4).
 
-Host side, once per batch: size the page pool, allocate every page up front (so the loop never
-allocates), pad the prompts to a bucketed length. Device side: one jitted call prefills the
-prompts, forks the n samples of each prompt onto its shared pages and samples the first token;
-then jitted chunks of ``steps_per_call`` decode steps run in a ``lax.while_loop`` that stops as
-soon as every row has finished. The host only looks at one flag per chunk (progress, stopping).
-Each row samples from its own random stream (see :mod:`sparrow_jax.rollout.sampling`). Under a
-device mesh the same functions run per shard inside ``shard_map`` (see :func:`generate`).
+Host side, once per batch (:func:`plan_batch`): size the page pool, allocate every page up front
+(so the loop never allocates), pad the prompts to a bucketed length. Device side: one jitted call
+prefills the prompts, forks the n samples of each prompt onto its shared pages and samples the
+first token (:func:`start_batch`); then jitted chunks of ``steps_per_call`` decode steps run in a
+``lax.while_loop`` that stops as soon as every row has finished (:func:`decode_chunk`). The host
+only looks at one flag per chunk (progress, stopping); :func:`read_out` makes the result. The
+loop's pieces are in :mod:`sparrow_jax.rollout.decode_loop`. Under a device mesh the same
+functions run per shard inside ``shard_map`` (see :func:`generate`).
 
 Typical use::
 
@@ -18,7 +19,6 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
-import functools
 import sys
 import time
 import warnings
@@ -31,18 +31,15 @@ from flax import nnx
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
-from sparrow_jax.attention.decode import decode_step, prefill
-from sparrow_jax.attention.paged_cache import SCORERS, PagedKVCache, fork, init_cache
+from sparrow_jax.attention.paged_cache import SCORERS, init_cache
 from sparrow_jax.attention.sparse import IMPLS
-from sparrow_jax.models.qwen3 import check_tokens, logits_from_hidden
-from sparrow_jax.rollout.budget import (BudgetShape, budget_pages, check_bound, gather_width,
-                                        split_schedule)
-from sparrow_jax.rollout.sampling import (SamplingParams, sample_from_logprobs,
-                                          scaled_log_softmax, step_keys, stream_keys)
+from sparrow_jax.models.qwen3 import check_tokens
+from sparrow_jax.rollout.budget import runtime_schedule
+from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, DecodeSettings, LoopState, run_chunk,
+                                             sharded_cache, start, table_width)
+from sparrow_jax.rollout.sampling import SamplingParams, stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
-
-_UNFINISHED = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -149,43 +146,6 @@ class RolloutConfig:
         return SamplingParams(self.temperature, self.top_p, self.top_k)
 
 
-class _Static(NamedTuple):
-    """Everything the jitted functions specialise on (hashable)."""
-
-    sampling: SamplingParams
-    eos_ids: tuple[int, ...]
-    stop_sequences: tuple[tuple[int, ...], ...]
-    top_k: int
-    budget: BudgetShape | None    # the schedule's static part (its values: a loop argument)
-    dense_layers: tuple[int, ...]
-    scorer: str
-    impl: str
-    max_budget_pages: int | None
-    prefill_chunk: int | None
-    lora: bool
-    mesh: Mesh | None = None
-
-
-class _Loop(NamedTuple):
-    """The decode loop's carry. S rows, T = padded prompt + R, R = max_new_tokens."""
-
-    cache: PagedKVCache
-    tokens: jax.Array          # [S, T] int32
-    prompt_lengths: jax.Array  # [S] int32
-    last: jax.Array            # [S] int32: the token the next step feeds
-    response_lengths: jax.Array  # [S] int32
-    finish: jax.Array          # [S] int32: FinishReason, or -1 while running
-    logprobs: jax.Array        # [S, R] float32
-    topk_ids: jax.Array        # [S, R, k] int32
-    topk_logprobs: jax.Array   # [S, R, k] float32
-    budgets: jax.Array         # [S, R] int32
-    streams: jax.Array         # [S] keys: each row's random stream (sampling.stream_keys)
-
-    @property
-    def active(self) -> jax.Array:
-        return self.finish == _UNFINISHED
-
-
 def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
              schedule: BudgetSchedule | None = None, *, lora: bool = False,
              prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
@@ -223,6 +183,75 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     the caller's are sharded). The result's rows are sharded over ``data x fsdp``. The tokens are
     those of the call without a mesh (same streams), up to float rounding in the logits.
     """
+    batch = plan_batch(model, prompts, config, schedule, lora=lora, prompt_ids=prompt_ids,
+                       mesh=mesh, schedule_bound=schedule_bound)
+    graphdef, params = model_params(model, mesh)
+    bar = _progress(config, batch.num_rows * config.max_new_tokens)
+    t0 = time.perf_counter()
+    state = start_batch(batch, graphdef, params, key)
+    running = bool(jnp.any(state.active))
+    steps_done = 0
+    longest = int(batch.layout.prompt_lengths.max())
+    while running:
+        # Always the same number of steps per call (one compilation per table width); the loop
+        # inside stops early once every row has finished, and no row outlives the response
+        # capacity. Every row's cache through the call holds at most prompt + steps so far +
+        # steps_per_call tokens.
+        state, running = decode_chunk(batch, graphdef, params, state,
+                                      reach=longest + steps_done + config.steps_per_call + 1)
+        steps_done += config.steps_per_call
+        running = bool(running)
+        if bar is not None:
+            emitted = int(jnp.sum(state.response_lengths))
+            bar.update(emitted - bar.n)
+            bar.set_postfix(running=int(jnp.sum(state.active)),
+                            tok_s=f"{emitted / (time.perf_counter() - t0):.0f}")
+    if bar is not None:
+        bar.close()
+    return read_out(batch, state)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class DecodeBatch:
+    """One batch of prompts planned for the decode loop (host side; :func:`plan_batch`).
+
+    config: the call's :class:`RolloutConfig`. layout: pages, tables and prompts
+    (:class:`BatchLayout`). settings: the loop's static settings for the full page table.
+    budget_values ``[bins]`` int32: the schedule's values (empty: dense). bound: the schedule
+    bounding the gather width (None: dense). stream_ids ``[Np]`` int32: each prompt slot's
+    stream id (placeholder slots 0). num_rows: the result's rows (prompts x n). mesh: as in
+    :func:`generate`. model_config, cache_dtype: of the cache to build.
+    """
+
+    config: RolloutConfig
+    layout: "BatchLayout"
+    settings: DecodeSettings
+    budget_values: np.ndarray
+    bound: BudgetSchedule | None
+    stream_ids: np.ndarray
+    num_rows: int
+    mesh: Mesh | None
+    model_config: object
+    cache_dtype: jnp.dtype
+
+    @property
+    def width(self) -> int:
+        """The full page table's width (pages per row)."""
+        return self.layout.page_table.shape[1]
+
+    def put(self, x) -> jax.Array:
+        """A host array of rows onto the device(s): split over the row shards of the mesh."""
+        if self.mesh is None:
+            return jnp.asarray(x)
+        return jax.device_put(x, NamedSharding(self.mesh, PartitionSpec(ROWS)))
+
+
+def plan_batch(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
+               schedule: BudgetSchedule | None = None, *, lora: bool = False,
+               prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
+               schedule_bound: BudgetSchedule | None = None) -> DecodeBatch:
+    """Checks a :func:`generate` call's arguments (ValueError naming the bad one) and plans its
+    batch: page pool, tables, padded prompts, settings. No device work."""
     cfg = model.config
     prompts = [list(p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -251,102 +280,95 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     if mesh is not None:
         _check_mesh(mesh, cfg)
 
-    p = config.page_size
-    r = config.max_new_tokens
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
     lay = _layout(prompts, config, cfg, cache_dtype, mesh)
     width = lay.page_table.shape[1]
-    shape, values, bound = _runtime_schedule(schedule, schedule_bound, width)
-    static = _Static(
-        sampling=config.sampling, eos_ids=config.eos_ids, stop_sequences=config.stop_sequences,
-        top_k=min(config.logprob_top_k, cfg.vocab_size), budget=shape,
-        dense_layers=config.dense_layers, scorer=config.scorer, impl=config.impl,
-        max_budget_pages=_max_budget_pages(bound, width), prefill_chunk=config.prefill_chunk,
-        lora=lora, mesh=mesh)
+    shape, values, bound = runtime_schedule(schedule, schedule_bound, width)
+    settings = DecodeSettings.from_config(config, cfg.vocab_size, shape, lora=lora, mesh=mesh)
+    stream_ids = np.zeros(len(lay.prompt_lengths), np.int32)   # placeholders: any stream
+    stream_ids[:len(prompts)] = prompt_ids
+    return DecodeBatch(config=config, layout=lay, settings=settings.for_width(bound, width),
+                       budget_values=values, bound=bound, stream_ids=stream_ids,
+                       num_rows=len(prompts) * config.n, mesh=mesh, model_config=cfg,
+                       cache_dtype=cache_dtype)
 
-    def put(x):
-        """A host array of rows onto the device(s): split over the row shards of the mesh."""
-        if mesh is None:
-            return jnp.asarray(x)
-        return jax.device_put(x, NamedSharding(mesh, PartitionSpec(_ROWS)))
 
+def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
+    """The model as (graphdef, params) for the decode loop: under ``mesh``, the weights
+    replicated on it (gathered if sharded)."""
     graphdef, params = nnx.split(model)
-    if mesh is None:
-        cache = init_cache(cfg, lay.num_pages, lay.prefill_table, page_size=p,
-                           dtype=cache_dtype, scorer=config.scorer)
-    else:
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-        cache = _sharded_cache(cfg, lay.num_pages, put(lay.prefill_table), page_size=p,
-                               dtype=cache_dtype, scorer=config.scorer, mesh=mesh)
-    slot_ids = np.zeros(len(lay.prompt_lengths), np.int32)   # placeholders: any stream
-    slot_ids[:len(prompts)] = prompt_ids
-    streams = stream_keys(key, slot_ids[lay.slots], lay.sample_ids)
     if mesh is not None:
-        streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(_ROWS)))
-    num_rows = len(prompts) * config.n
-    bar = _progress(config, num_rows * r)
-    t0 = time.perf_counter()
+        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
+    return graphdef, params
+
+
+def start_batch(batch: DecodeBatch, graphdef, params, key: jax.Array) -> LoopState:
+    """Builds the batch's cache, prefills its prompts, forks the samples and samples each row's
+    first token (:func:`~sparrow_jax.rollout.decode_loop.start`) -> the loop state ``[S]``."""
+    lay, config, mesh = batch.layout, batch.config, batch.mesh
+    if mesh is None:
+        cache = init_cache(batch.model_config, lay.num_pages, lay.prefill_table,
+                           page_size=config.page_size, dtype=batch.cache_dtype,
+                           scorer=config.scorer)
+    else:
+        cache = sharded_cache(batch.model_config, lay.num_pages, batch.put(lay.prefill_table),
+                              page_size=config.page_size, dtype=batch.cache_dtype,
+                              scorer=config.scorer, mesh=mesh)
+    streams = stream_keys(key, batch.stream_ids[lay.slots], lay.sample_ids)
+    if mesh is not None:
+        streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(ROWS)))
+    put = batch.put
     with warnings.catch_warnings():
         # The prefill's page table and per-prompt accumulators are replaced at fork, so their
         # donated buffers go unused; the pages themselves are reused in place.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        state = _start(graphdef, params, cache, put(lay.prompt_tokens), put(lay.prompt_lengths),
-                       put(lay.page_table), put(lay.prompt_index), put(lay.copy_src),
-                       put(lay.copy_dst), streams, put(lay.live), static=static,
-                       response_capacity=r)
-    running = bool(jnp.any(state.active))
-    steps_done = 0
-    longest = int(lay.prompt_lengths.max())
-    while running:
-        # Always the same number of steps per call (one compilation per table width); the loop
-        # inside stops early once every row has finished, and no row outlives the response
-        # capacity. The call sees the table's first `w` columns: every row's cache through
-        # the call (lengths <= prompt + steps so far + steps_per_call) fits in them.
-        w = _table_width(longest + steps_done + config.steps_per_call + 1, p, width,
-                         config.table_bucket_pages)
-        if state.cache.page_table.shape[1] != w:
-            state = state._replace(cache=state.cache.replace(
-                page_table=put(lay.page_table[:, :w])))
-        state, running = _run_chunk(
-            graphdef, params, state, values, config.steps_per_call,
-            static=static._replace(max_budget_pages=_max_budget_pages(bound, w)))
-        steps_done += config.steps_per_call
-        running = bool(running)
-        if bar is not None:
-            emitted = int(jnp.sum(state.response_lengths))
-            bar.update(emitted - bar.n)
-            bar.set_postfix(running=int(jnp.sum(state.active)),
-                            tok_s=f"{emitted / (time.perf_counter() - t0):.0f}")
-    if bar is not None:
-        bar.close()
+        return start(graphdef, params, cache, put(lay.prompt_tokens), put(lay.prompt_lengths),
+                     put(lay.page_table), put(lay.prompt_index), put(lay.copy_src),
+                     put(lay.copy_dst), streams, put(lay.live), settings=batch.settings,
+                     response_capacity=config.max_new_tokens)
+
+
+def decode_chunk(batch: DecodeBatch, graphdef, params, state: LoopState, *,
+                 reach: int) -> tuple[LoopState, jax.Array]:
+    """``config.steps_per_call`` decode steps (fewer if every row finishes) -> (state, any row
+    running). ``reach``: the most tokens any row's cache can hold by the chunk's end; the chunk
+    sees the page table's first columns that hold them (``table_bucket_pages``), and the sparse
+    layers gather the bound's budget for that width."""
+    config = batch.config
+    w = table_width(reach, config.page_size, batch.width, config.table_bucket_pages)
+    if state.cache.page_table.shape[1] != w:
+        state = state._replace(cache=state.cache.replace(
+            page_table=batch.put(batch.layout.page_table[:, :w])))
+    return run_chunk(graphdef, params, state, batch.budget_values, config.steps_per_call,
+                     settings=batch.settings.for_width(batch.bound, w))
+
+
+def read_out(batch: DecodeBatch, state: LoopState) -> Rollout:
+    """The loop state as the call's :class:`~sparrow_jax.rollout.types.Rollout` (rows still
+    running are cut at the capacity: finish reason LENGTH; placeholder rows dropped)."""
     finish = jnp.where(state.active, int(FinishReason.LENGTH), state.finish)
     out = Rollout(tokens=state.tokens, prompt_lengths=state.prompt_lengths,
                   response_lengths=state.response_lengths, logprobs=state.logprobs,
                   topk_ids=state.topk_ids, topk_logprobs=state.topk_logprobs,
                   budget_pages=state.budgets, finish_reason=finish,
-                  prompt_index=put(lay.slots))
-    if len(lay.slots) > num_rows:    # placeholder prompts fill the last groups: drop their rows
-        if mesh is not None:         # rows no longer split evenly: replicate, then cut
-            out = jax.device_put(out, NamedSharding(mesh, PartitionSpec()))
-        out = jax.tree.map(lambda x: x[:num_rows], out)
+                  prompt_index=batch.put(batch.layout.slots))
+    if len(batch.layout.slots) > batch.num_rows:   # placeholder prompts fill the last groups
+        if batch.mesh is not None:                 # rows no longer split evenly: replicate, cut
+            out = jax.device_put(out, NamedSharding(batch.mesh, PartitionSpec()))
+        out = jax.tree.map(lambda x: x[:batch.num_rows], out)
     return out
 
 
-# The mesh axes a rollout splits sequences over, and the one it splits KV heads over.
-_ROWS = ("data", "fsdp")
-_HEADS = "tensor"
-
-
 def _check_mesh(mesh: Mesh, model_config) -> None:
-    if set(mesh.axis_names) != {*_ROWS, _HEADS}:
+    if set(mesh.axis_names) != {*ROWS, HEADS}:
         raise ValueError(f"generate: the mesh's axes must be ('data', 'fsdp', 'tensor'), got "
                          f"{mesh.axis_names}")
-    t, h = mesh.shape[_HEADS], model_config.num_key_value_heads
+    t, h = mesh.shape[HEADS], model_config.num_key_value_heads
     if h % t:
         raise ValueError(f"generate: mesh axis tensor={t} must divide the model's {h} KV heads")
 
 
-class _Layout(NamedTuple):
+class BatchLayout(NamedTuple):
     """The host side of one call: the prompts in G equal groups of k prompt slots (one group per
     row shard; slots past the prompts hold a one-token placeholder, finished at once), each group
     with its own pool of ``num_pages`` and page ids local to it. Rows are group-major, so the
@@ -365,21 +387,20 @@ class _Layout(NamedTuple):
     live: np.ndarray             # [S] bool: False on placeholder rows
 
 
-def _layout(prompts, config: RolloutConfig, model_config, cache_dtype, mesh) -> _Layout:
-    groups = 1 if mesh is None else mesh.shape[_ROWS[0]] * mesh.shape[_ROWS[1]]
+def _layout(prompts, config: RolloutConfig, model_config, cache_dtype, mesh) -> BatchLayout:
+    groups = 1 if mesh is None else mesh.shape[ROWS[0]] * mesh.shape[ROWS[1]]
     n, p, r = config.n, config.page_size, config.max_new_tokens
     k = -(-len(prompts) // groups)
     lengths = np.ones(groups * k, np.int32)
     lengths[:len(prompts)] = [len(x) for x in prompts]
     max_new = np.zeros(groups * k, np.int32)
     max_new[:len(prompts)] = r
-    tokens = np.zeros((groups * k, _round_up(int(lengths.max()), config.prompt_multiple)),
-                      np.int32)
+    tokens = np.zeros((groups * k, prompt_width(lengths, config)), np.int32)
     for i, x in enumerate(prompts):
         tokens[i, :len(x)] = x
     width = -(-(tokens.shape[1] + r) // p)
     parts = [slice(g * k, (g + 1) * k) for g in range(groups)]
-    tensor = 1 if mesh is None else mesh.shape[_HEADS]
+    tensor = 1 if mesh is None else mesh.shape[HEADS]
     device = None if mesh is None else mesh.devices.flat[0]
     num_pages = max(pool_size(config, model_config, lengths[g], cache_dtype,
                               max_new_tokens=max_new[g], kv_head_shards=tensor, device=device)
@@ -396,52 +417,13 @@ def _layout(prompts, config: RolloutConfig, model_config, cache_dtype, mesh) -> 
 
     prompt_index = np.concatenate([a.prompt_index for a in allocs])
     slots = np.repeat(np.arange(groups * k, dtype=np.int32), n)
-    return _Layout(
+    return BatchLayout(
         num_pages=num_pages, prompt_tokens=tokens, prompt_lengths=lengths,
         prefill_table=np.concatenate([a.prefill_page_table for a in allocs]),
         page_table=np.concatenate([a.page_table for a in allocs]), prompt_index=prompt_index,
         copy_src=copies("copy_src"), copy_dst=copies("copy_dst"), slots=slots,
         sample_ids=np.tile(np.arange(n, dtype=np.int32), groups * k),
         live=slots < len(prompts))
-
-
-def _cache_specs(cache: PagedKVCache) -> PagedKVCache:
-    """The cache's PartitionSpecs under a mesh: each row shard's pool is its block of the page
-    axis, the KV heads split over ``tensor``; tables, lengths and accumulators by row."""
-    pool, rows, partial = PartitionSpec(_HEADS, _ROWS), PartitionSpec(_ROWS), PartitionSpec(
-        None, _ROWS, _HEADS)
-
-    def each(arrays, spec):
-        return None if arrays is None else tuple(spec for _ in arrays)
-
-    return cache.replace(
-        k_pages=each(cache.k_pages, pool), v_pages=each(cache.v_pages, pool),
-        centroids=each(cache.centroids, pool), kmin=each(cache.kmin, pool),
-        kmax=each(cache.kmax, pool), page_table=rows, lengths=rows, partial_sum=partial,
-        partial_min=None if cache.partial_min is None else partial,
-        partial_max=None if cache.partial_max is None else partial)
-
-
-def _loop_specs(cache: PagedKVCache) -> _Loop:
-    """The loop state's PartitionSpecs under a mesh: every field by row."""
-    rows = PartitionSpec(_ROWS)
-    return _Loop(*(rows for _ in _Loop._fields))._replace(cache=_cache_specs(cache))
-
-
-def _sharded_cache(model_config, num_pages: int, prefill_table: jax.Array, *, page_size, dtype,
-                   scorer, mesh: Mesh) -> PagedKVCache:
-    """An empty cache with one pool of ``num_pages`` per row shard, created in place on the
-    mesh (never whole on one device)."""
-    groups = mesh.shape[_ROWS[0]] * mesh.shape[_ROWS[1]]
-
-    def build(table):
-        return init_cache(model_config, groups * num_pages, table, page_size=page_size,
-                          dtype=dtype, scorer=scorer)
-
-    shape = jax.eval_shape(build, prefill_table)
-    shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), _cache_specs(shape),
-                             is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return jax.jit(build, out_shardings=shardings)(prefill_table)
 
 
 def pool_size(config: RolloutConfig, model_config, prompt_lengths, cache_dtype, *,
@@ -486,31 +468,10 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
-def _table_width(tokens: int, page_size: int, width: int, bucket: int | None) -> int:
-    """Page-table columns a decode call needs for rows of up to ``tokens`` tokens: the smallest
-    power of two >= ``bucket`` holding them, capped at ``width`` (``bucket`` None: width)."""
-    if bucket is None:
-        return width
-    need = max(-(-tokens // page_size), bucket)
-    return min(1 << (need - 1).bit_length(), width)
-
-
-def _runtime_schedule(schedule: BudgetSchedule | None, bound: BudgetSchedule | None,
-                      width: int) -> tuple[BudgetShape | None, np.ndarray, BudgetSchedule | None]:
-    """-> (the schedule's static shape, its values, the bound of its gather width): (None, an
-    empty table, None) when dense."""
-    if schedule is None:
-        return None, np.zeros(0, np.int32), None
-    if bound is None:
-        return *split_schedule(schedule), schedule
-    check_bound(schedule, bound, width)
-    return *split_schedule(schedule), bound
-
-
-def _max_budget_pages(bound: BudgetSchedule | None, width: int) -> int | None:
-    """The static gather width of the sparse layers (:func:`~sparrow_jax.rollout.budget.
-    gather_width`); None for dense rollouts."""
-    return None if bound is None else gather_width(bound, width)
+def prompt_width(prompt_lengths, config: RolloutConfig) -> int:
+    """The padded prompt length of a batch: the longest prompt rounded up to
+    ``config.prompt_multiple`` (bounds recompilation)."""
+    return _round_up(int(np.max(prompt_lengths)), config.prompt_multiple)
 
 
 def _progress(config: RolloutConfig, total: int):
@@ -521,150 +482,6 @@ def _progress(config: RolloutConfig, total: int):
     return tqdm(total=total, desc="rollout", unit="tok", file=sys.stderr, dynamic_ncols=True)
 
 
-def top_k(x: jax.Array, k: int, group: int = 128) -> tuple[jax.Array, jax.Array]:
-    """``lax.top_k`` over the last axis of ``x [B, V]``, computed exactly in two stages: the top
-    k of each group of ``group`` entries, then the top k of those candidates. Same values and
-    ids, ties included (lower index first: candidates keep index order within and across
-    groups); on the H100 at 19 x 151936 float32, 0.20 ms instead of 0.71 ms (BENCHMARKS.md
-    "Rollout"). Small vocabularies (or k > group) go straight to ``lax.top_k``."""
-    b, v = x.shape
-    if k > group or v <= 8 * group:
-        return jax.lax.top_k(x, k)
-    pad = -v % group
-    xg = jnp.pad(x, ((0, 0), (0, pad)), constant_values=-jnp.inf).reshape(b, -1, group)
-    vals, idx = jax.lax.top_k(xg, k)                                   # [B, G, k]
-    idx = idx + (jnp.arange(xg.shape[1], dtype=idx.dtype) * group)[None, :, None]
-    top, pos = jax.lax.top_k(vals.reshape(b, -1), k)
-    return top, jnp.take_along_axis(idx.reshape(b, -1), pos, axis=1)
-
-
-def _emit(state: _Loop, hidden: jax.Array, head: jax.Array, budget: jax.Array,
-          static: _Static) -> _Loop:
-    """Samples each active row's next token from ``hidden [S, D]``, records it, and marks rows
-    that finish (EOS, a stop sequence, or the response capacity)."""
-    s, t = state.tokens.shape
-    r = state.logprobs.shape[1]
-    rows = jnp.arange(s)
-    active = state.active
-    j = state.response_lengths
-    logp = scaled_log_softmax(logits_from_hidden(hidden, head), static.sampling.temperature)
-    token, token_lp = sample_from_logprobs(step_keys(state.streams, j), logp, static.sampling)
-    top_lp, top_ids = top_k(logp, static.top_k)
-
-    slot = jnp.where(active, j, r)           # out of range: dropped for finished rows
-    where = jnp.where(active, state.prompt_lengths + j, t)
-    tokens = state.tokens.at[rows, where].set(token, mode="drop")
-    length = j + active.astype(jnp.int32)
-
-    finish = state.finish
-    if static.stop_sequences:
-        stopped = jnp.zeros_like(active)
-        for seq in static.stop_sequences:
-            m = len(seq)
-            idx = state.prompt_lengths[:, None] + length[:, None] - m + jnp.arange(m)
-            tail = jnp.take_along_axis(tokens, jnp.clip(idx, 0, t - 1), axis=1)
-            stopped |= (length >= m) & jnp.all(tail == jnp.asarray(seq, jnp.int32), axis=1)
-        finish = jnp.where(active & stopped, int(FinishReason.STOP_SEQUENCE), finish)
-    if static.eos_ids:
-        eos = jnp.isin(token, jnp.asarray(static.eos_ids, jnp.int32))
-        finish = jnp.where(active & eos, int(FinishReason.EOS), finish)
-    finish = jnp.where((finish == _UNFINISHED) & (length >= r), int(FinishReason.LENGTH), finish)
-    return state._replace(
-        tokens=tokens, last=jnp.where(active, token, state.last), response_lengths=length,
-        finish=finish,
-        logprobs=state.logprobs.at[rows, slot].set(token_lp, mode="drop"),
-        topk_ids=state.topk_ids.at[rows, slot].set(top_ids.astype(jnp.int32), mode="drop"),
-        topk_logprobs=state.topk_logprobs.at[rows, slot].set(top_lp, mode="drop"),
-        budgets=state.budgets.at[rows, slot].set(budget, mode="drop"))
-
-
-def _on_mesh(body, mesh: Mesh | None, in_specs, out_specs):
-    """``body`` itself, or under ``mesh`` run per shard (``shard_map``)."""
-    if mesh is None:
-        return body
-    return jax.shard_map(body, mesh=mesh, in_specs=in_specs, out_specs=out_specs,
-                         check_vma=False)
-
-
-def _head_axis(static: _Static) -> str | None:
-    return None if static.mesh is None or static.mesh.shape[_HEADS] == 1 else _HEADS
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "static", "response_capacity"),
-                   donate_argnames=("cache",))
-def _start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index,
-           copy_src, copy_dst, streams, live, *, static: _Static,
-           response_capacity: int) -> _Loop:
-    """Prefill the prompts, fork the samples onto the prompts' pages, sample the first token
-    (budget 0: prefill attends densely). Per row: ``streams [S]`` the random streams, ``live
-    [S]`` False for placeholder rows (finished at once). Under a mesh, per row shard."""
-
-    def body(params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index, copy_src,
-             copy_dst, streams, live):
-        model = nnx.merge(graphdef, params)
-        hidden, cache = prefill(model, cache, prompt_tokens, prompt_lengths,
-                                chunk_size=static.prefill_chunk, lora=static.lora,
-                                head_axis=_head_axis(static))
-        cache = fork(cache, page_table, prompt_index, copy_src, copy_dst)
-        s, r, k = page_table.shape[0], response_capacity, static.top_k
-        tokens = jnp.zeros((s, prompt_tokens.shape[1] + r), jnp.int32)
-        tokens = tokens.at[:, :prompt_tokens.shape[1]].set(prompt_tokens[prompt_index])
-        state = _Loop(
-            cache=cache, tokens=tokens, prompt_lengths=prompt_lengths[prompt_index],
-            last=jnp.zeros((s,), jnp.int32), response_lengths=jnp.zeros((s,), jnp.int32),
-            finish=jnp.full((s,), _UNFINISHED, jnp.int32),
-            logprobs=jnp.zeros((s, r), jnp.float32), topk_ids=jnp.zeros((s, r, k), jnp.int32),
-            topk_logprobs=jnp.full((s, r, k), -jnp.inf, jnp.float32),
-            budgets=jnp.zeros((s, r), jnp.int32), streams=streams)
-        state = _emit(state, hidden[prompt_index], model.head_weight(),
-                      jnp.zeros((s,), jnp.int32), static)
-        return state._replace(finish=jnp.where(live, state.finish, int(FinishReason.LENGTH)))
-
-    rows = PartitionSpec(_ROWS)
-    mesh = static.mesh
-    in_specs = None if mesh is None else (PartitionSpec(), _cache_specs(cache)) + (rows,) * 8
-    out_specs = None if mesh is None else _loop_specs(cache)   # fork keeps the cache's fields
-    return _on_mesh(body, mesh, in_specs, out_specs)(
-        params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index, copy_src,
-        copy_dst, streams, live)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "static"),
-                   donate_argnames=("state",))
-def _run_chunk(graphdef, params, state: _Loop, budget_values: jax.Array, num_steps: int,
-               *, static: _Static) -> tuple[_Loop, jax.Array]:
-    """Up to ``num_steps`` decode steps, fewer if every row finishes -> (state, any running).
-    ``budget_values [bins]``: the schedule's values (:func:`~sparrow_jax.rollout.budget.
-    split_schedule`; empty when dense). Under a mesh each row shard runs its own loop (no
-    communication between them)."""
-
-    def body(params, budget_values, state):
-        model = nnx.merge(graphdef, params)
-        head = model.head_weight()
-
-        def step(carry):
-            i, st = carry
-            # The step feeds the last token at position `lengths`; its budget is that of the
-            # sequence with the token included (docs/design.md, section 2).
-            budget = (None if static.budget is None
-                      else budget_pages(static.budget, budget_values, st.cache.lengths + 1))
-            hidden, cache = decode_step(
-                model, st.cache, st.last, budget_pages=budget, dense_layers=static.dense_layers,
-                scorer=static.scorer, impl=static.impl, active=st.active, lora=static.lora,
-                max_budget_pages=static.max_budget_pages, head_axis=_head_axis(static))
-            recorded = jnp.zeros_like(st.last) if budget is None else budget
-            return i + 1, _emit(st._replace(cache=cache), hidden, head, recorded, static)
-
-        def cond(carry):
-            i, st = carry
-            return (i < num_steps) & jnp.any(st.active)
-
-        return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
-
-    specs = None if static.mesh is None else _loop_specs(state.cache)
-    state = _on_mesh(body, static.mesh, (PartitionSpec(), PartitionSpec(), specs), specs)(
-        params, budget_values, state)
-    return state, jnp.any(state.active)
-
-
-__all__ = ["RolloutConfig", "generate", "pool_size", "pages_in_free_memory"]
+__all__ = ["RolloutConfig", "generate", "plan_batch", "DecodeBatch", "BatchLayout", "model_params",
+           "start_batch", "decode_chunk", "read_out", "prompt_width", "pool_size",
+           "pages_in_free_memory"]

@@ -40,15 +40,13 @@ from flax import nnx
 from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
 from sparrow_jax.attention.paged_cache import init_cache
 from sparrow_jax.models.qwen3 import check_tokens
-from sparrow_jax.rollout.engine import (RolloutConfig, _Loop, _max_budget_pages, _round_up,
-                                        _run_chunk, _runtime_schedule, _start, _Static,
-                                        _table_width, pool_size)
+from sparrow_jax.rollout.budget import runtime_schedule
+from sparrow_jax.rollout.decode_loop import (UNFINISHED, DecodeSettings, LoopState, run_chunk,
+                                             start, table_width)
+from sparrow_jax.rollout.engine import RolloutConfig, pool_size, prompt_width
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
-
-_UNFINISHED = -1
-
 
 class GrowingPageAllocator(PageAllocator):
     """A :class:`PageAllocator` whose sequences can grow after allocation."""
@@ -144,25 +142,21 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     if one.max() > num_pages - 1:
         raise ValueError(f"generate_refill: num_pages={num_pages} cannot hold one sample of "
                          f"prompt {int(one.argmax())} ({int(one.max())} pages + the null page)")
-    tp = _round_up(int(lengths.max()), config.prompt_multiple)
+    tp = prompt_width(lengths, config)
     tokens = np.zeros((len(prompts), tp), np.int32)
     for i, x in enumerate(prompts):
         tokens[i, :len(x)] = x
     width = -(-(tp + r) // p)
-    shape, values, bound = _runtime_schedule(schedule, schedule_bound, width)
-    static = _Static(
-        sampling=config.sampling, eos_ids=config.eos_ids, stop_sequences=config.stop_sequences,
-        top_k=min(config.logprob_top_k, cfg.vocab_size), budget=shape,
-        dense_layers=config.dense_layers, scorer=config.scorer, impl=config.impl,
-        max_budget_pages=_max_budget_pages(bound, width), prefill_chunk=config.prefill_chunk,
-        lora=lora)
+    shape, values, bound = runtime_schedule(schedule, schedule_bound, width)
+    settings = DecodeSettings.from_config(config, cfg.vocab_size, shape,
+                                          lora=lora).for_width(bound, width)
     graphdef, params = nnx.split(model)
     alloc = GrowingPageAllocator(num_pages, p, seed=config.page_seed)
     table = np.full((slots, width), NULL_PAGE, np.int32)   # the host's page table, per slot
-    state = _empty_state(cfg, num_pages, slots, tp + r, r, static.top_k, config, cache_dtype,
+    state = _empty_state(cfg, num_pages, slots, tp + r, r, settings.top_k, config, cache_dtype,
                          key)
     num_rows = len(prompts) * n
-    out = _empty_output(num_rows, tp + r, r, static.top_k, n)
+    out = _empty_output(num_rows, tp + r, r, settings.top_k, n)
     queue = collections.deque((i, j) for i in range(len(prompts)) for j in range(n))
     held: list[_Slot | None] = [None] * slots
     counters = collections.Counter()
@@ -201,19 +195,18 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                 h.pages += more
 
         state = _admit_pending(state, queue, held, table, alloc, counters, graphdef, params,
-                               tokens, lengths, ids, key, static, config, width, prefill_rows)
+                               tokens, lengths, ids, key, settings, config, width, prefill_rows)
         peak = max(peak, alloc.num_usable - alloc.num_free)
         if all(h is None for h in held):
             raise RuntimeError("generate_refill: no sample could be admitted into an empty pool")
 
         longest = max(h.cache_length for h in held if h is not None)
-        w = _table_width(longest + c + 1, p, width, config.table_bucket_pages)
+        w = table_width(longest + c + 1, p, width, config.table_bucket_pages)
         state = state._replace(cache=state.cache.replace(page_table=jnp.asarray(table[:, :w])))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-            state, _ = _run_chunk(graphdef, params, state, values, c,
-                                  static=static._replace(max_budget_pages=_max_budget_pages(
-                                      bound, w)))
+            state, _ = run_chunk(graphdef, params, state, values, c,
+                                 settings=settings.for_width(bound, w))
         counters["chunks"] += 1
 
         finish, cache_lengths = np.asarray(state.finish), np.asarray(state.cache.lengths)
@@ -222,7 +215,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
             if h is None:
                 continue
             h.cache_length = int(cache_lengths[s])
-            if finish[s] != _UNFINISHED:
+            if finish[s] != UNFINISHED:
                 dst[s] = h.prompt * n + h.sample
                 counters["returned"] += 1
                 release(s)
@@ -238,9 +231,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     return out, stats
 
 
-def _admit_pending(state: _Loop, queue, held, table, alloc: GrowingPageAllocator, counters,
-                   graphdef, params, tokens, lengths, ids, key, static: _Static,
-                   config: RolloutConfig, width: int, prefill_rows: int | None) -> _Loop:
+def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAllocator, counters,
+                   graphdef, params, tokens, lengths, ids, key, settings: DecodeSettings,
+                   config: RolloutConfig, width: int, prefill_rows: int | None) -> LoopState:
     """Admits queued samples in order while a slot is free and the pool holds their prompt pages
     and first chunk; prefills them (one call) and scatters them into their slots."""
     p, r, c = config.page_size, config.max_new_tokens, config.steps_per_call
@@ -301,11 +294,11 @@ def _admit_pending(state: _Loop, queue, held, table, alloc: GrowingPageAllocator
     cache = _prefill_cache(state.cache, jnp.asarray(prefill_table))
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        new = _start(graphdef, params, cache, jnp.asarray(prompt_tokens),
+        new = start(graphdef, params, cache, jnp.asarray(prompt_tokens),
                      jnp.asarray(prompt_lengths), jnp.asarray(row_table),
                      jnp.asarray(prompt_index), jnp.asarray(copy_src), jnp.asarray(copy_dst),
                      stream_keys(key, stream_prompts, stream_samples), jnp.asarray(live),
-                     static=static, response_capacity=r)
+                     settings=settings, response_capacity=r)
     state = _admit(state._replace(cache=state.cache.replace(
         k_pages=new.cache.k_pages, v_pages=new.cache.v_pages, centroids=new.cache.centroids,
         kmin=new.cache.kmin, kmax=new.cache.kmax)), new._replace(cache=_rows_of(new.cache)),
@@ -340,7 +333,7 @@ def _rows_of(cache):
 
 
 @functools.partial(jax.jit, donate_argnames=("state",))
-def _admit(state: _Loop, new: _Loop, dst: jax.Array) -> _Loop:
+def _admit(state: LoopState, new: LoopState, dst: jax.Array) -> LoopState:
     """Scatters the newcomer rows ``new [k]`` (cache: its per-row fields) into slots ``dst [k]``
     of ``state [S]`` (``dst`` = S: dropped)."""
     lengths, psum, pmin, pmax = new.cache
@@ -356,12 +349,12 @@ def _admit(state: _Loop, new: _Loop, dst: jax.Array) -> _Loop:
         partial_sum=put(state.cache.partial_sum, psum, 1),
         partial_min=put(state.cache.partial_min, pmin, 1),
         partial_max=put(state.cache.partial_max, pmax, 1))
-    fields = {f: put(getattr(state, f), getattr(new, f)) for f in _Loop._fields if f != "cache"}
-    return _Loop(cache=cache, **fields)
+    fields = {f: put(getattr(state, f), getattr(new, f)) for f in LoopState._fields if f != "cache"}
+    return LoopState(cache=cache, **fields)
 
 
 @functools.partial(jax.jit, donate_argnames=("out",))
-def _collect(out: Rollout, state: _Loop, dst: jax.Array) -> Rollout:
+def _collect(out: Rollout, state: LoopState, dst: jax.Array) -> Rollout:
     """Copies slot s of ``state`` into row ``dst[s]`` of ``out`` (out of range: skipped)."""
     def put(old, value):
         return old.at[dst].set(value, mode="drop")
@@ -376,13 +369,13 @@ def _collect(out: Rollout, state: _Loop, dst: jax.Array) -> Rollout:
         finish_reason=put(out.finish_reason, state.finish))
 
 
-def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, key) -> _Loop:
+def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, key) -> LoopState:
     """S idle slots (finished; cache length 1 on the null page, so idle rows attend to
     something) over an empty pool."""
     cache = init_cache(model_config, num_pages, np.zeros((slots, 1), np.int32),
                        page_size=config.page_size, dtype=cache_dtype, scorer=config.scorer)
     cache = cache.replace(lengths=jnp.ones((slots,), jnp.int32))
-    return _Loop(
+    return LoopState(
         cache=cache, tokens=jnp.zeros((slots, t), jnp.int32),
         prompt_lengths=jnp.ones((slots,), jnp.int32), last=jnp.zeros((slots,), jnp.int32),
         response_lengths=jnp.zeros((slots,), jnp.int32),
@@ -402,7 +395,7 @@ def _empty_output(rows, t, r, k, n) -> Rollout:
         topk_ids=jnp.zeros((rows, r, k), jnp.int32),
         topk_logprobs=jnp.full((rows, r, k), -jnp.inf, jnp.float32),
         budget_pages=jnp.zeros((rows, r), jnp.int32),
-        finish_reason=jnp.full((rows,), _UNFINISHED, jnp.int32),
+        finish_reason=jnp.full((rows,), UNFINISHED, jnp.int32),
         prompt_index=jnp.asarray(np.repeat(np.arange(rows // n, dtype=np.int32), n)))
 
 

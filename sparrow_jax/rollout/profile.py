@@ -1,0 +1,128 @@
+"""Fixed-context profiling of the rollout's decode loop (``scripts/bench_rollout.py``).
+
+A batch of ``generate``'s own layout (pool, page table, loop state, on a mesh too) is started
+from random prompts, its pool filled with random keys, values and summaries; then every row's
+cache is set to a context of L tokens and chunks of the engine's own decode loop
+(:func:`~sparrow_jax.rollout.engine.decode_chunk`, ``steps_per_call`` chained steps) are
+timed there. Per step = chunk time / steps.
+
+Typical use::
+
+    batch, graphdef, params, state = fixed_context_batch(model, config, rows=64,
+                                                         prompt_len=32, key=jax.random.key(0))
+    state, timing = time_context(batch, graphdef, params, state, 16384, repeats=2)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import time
+from typing import Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax.sharding import Mesh
+
+from sparrow_jax.rollout.decode_loop import UNFINISHED, LoopState, table_width
+from sparrow_jax.rollout.engine import (DecodeBatch, RolloutConfig, decode_chunk, model_params,
+                                        plan_batch, start_batch)
+from sparrow_jax.schedule import BudgetSchedule
+
+
+@dataclasses.dataclass(frozen=True)
+class ContextTiming:
+    """One context's figures: ``step_seconds`` one per timed chunk (chunk time / steps), the
+    chunks' mean context, the page-table width and gather width they ran at, and the first
+    (untimed, compiling) chunk's seconds."""
+
+    context: int
+    mean_context: float
+    table_width: int
+    gather_width: int | None
+    step_seconds: tuple[float, ...]
+    first_chunk_seconds: float
+
+
+def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: int,
+                        key: jax.Array, schedule: BudgetSchedule | None = None,
+                        schedule_bound: BudgetSchedule | None = None, mesh: Mesh | None = None
+                        ) -> tuple[DecodeBatch, object, object, LoopState]:
+    """``rows // config.n`` random prompts of ``prompt_len`` tokens planned and started as
+    ``generate`` would (``mesh`` as there), the pool then filled with normal random values ->
+    (batch, graphdef, params, state)."""
+    if rows < config.n or rows % config.n:
+        raise ValueError(f"rows={rows} must be a positive multiple of n={config.n}")
+    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
+    prompts = rng.integers(0, model.config.vocab_size, (rows // config.n, prompt_len)).tolist()
+    batch = plan_batch(model, prompts, config, schedule, mesh=mesh,
+                       schedule_bound=schedule_bound)
+    graphdef, params = model_params(model, mesh)
+    state = start_batch(batch, graphdef, params, key)
+    c = state.cache
+    pool = (c.k_pages, c.v_pages, c.centroids, c.kmin, c.kmax)
+    filled = [None if arrays is None else tuple(
+        _normal_like(x, jax.random.fold_in(key, 1000 * i + layer))
+        for layer, x in enumerate(arrays)) for i, arrays in enumerate(pool)]
+    cache = c.replace(k_pages=filled[0], v_pages=filled[1], centroids=filled[2], kmin=filled[3],
+                      kmax=filled[4])
+    return batch, graphdef, params, jax.block_until_ready(state._replace(cache=cache))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _normal_like(x: jax.Array, key: jax.Array) -> jax.Array:
+    # `x * 0 +` ties the result to x's sharding (a pool stays split over the mesh) and reuses
+    # its buffer: no second pool, even for a batch sized to the device's memory.
+    return x * 0 + jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
+
+
+@jax.jit
+def at_context(state: LoopState, length: jax.Array) -> LoopState:
+    """Every row running with ``length`` tokens in its cache (prompt + response - 1, as in the
+    loop); its sharding kept."""
+    zero = state.cache.lengths * 0
+    return state._replace(
+        cache=state.cache.replace(lengths=zero + length),
+        response_lengths=zero + length - state.prompt_lengths + 1, finish=zero + UNFINISHED)
+
+
+def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context: int, *,
+                 repeats: int = 2,
+                 run: Callable[[LoopState, int], LoopState] | None = None
+                 ) -> tuple[LoopState, ContextTiming]:
+    """``repeats`` timed chunks of ``steps_per_call`` chained steps, after one untimed chunk,
+    from a start placed so that their mean context is ``context`` (clamped so that no row
+    reaches the response capacity), each chunk at the page-table width ``generate`` would give
+    it. ``run(state, reach) -> state``: the chunk to time (default the engine's
+    :func:`~sparrow_jax.rollout.engine.decode_chunk`). Raises RuntimeError if a row stopped."""
+    config = batch.config
+    if run is None:
+        def run(st, reach):
+            return decode_chunk(batch, graphdef, params, st, reach=reach)[0]
+    steps = config.steps_per_call
+    span = steps * repeats
+    limit = int(batch.layout.prompt_lengths.min()) + config.max_new_tokens - 1
+    start = max(1, min(context - span // 2, limit - span - 1))
+    reach = start + span + 1
+    t0 = time.perf_counter()
+    state = jax.block_until_ready(run(at_context(state, start), reach))
+    first = time.perf_counter() - t0
+    state = at_context(state, start)
+    times = []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        state = jax.block_until_ready(run(state, reach))
+        times.append((time.perf_counter() - t0) / steps)
+    lengths = np.asarray(state.cache.lengths)
+    if not bool(jnp.all(state.active)) or (lengths != start + span).any():
+        raise RuntimeError(f"at context {context}: rows stopped (lengths {lengths.min()}.."
+                           f"{lengths.max()}, expected {start + span})")
+    w = table_width(reach, config.page_size, batch.width, config.table_bucket_pages)
+    return state, ContextTiming(
+        context=context, mean_context=start + span / 2, table_width=w,
+        gather_width=batch.settings.for_width(batch.bound, w).max_budget_pages,
+        step_seconds=tuple(times), first_chunk_seconds=first)
+
+
+__all__ = ["ContextTiming", "fixed_context_batch", "at_context", "time_context"]
