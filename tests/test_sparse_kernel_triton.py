@@ -9,8 +9,10 @@ dependency of the CPU install: ``pip install triton==3.6.0``), and the tests ski
 
 from __future__ import annotations
 
+import functools
 import importlib.util
 import os
+import sys
 
 import jax
 import jax.numpy as jnp
@@ -20,14 +22,15 @@ import pytest
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
 from pallas_kernels.sparse_decode_gpu import merge_splits
+from sparrow_jax.attention.sparse import sparse_decode
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, select_pages_np
 from test_sparse_kernel import P, as64, make_case, reference
 
 ON_GPU = jax.default_backend() == "gpu"
-if not ON_GPU and importlib.util.find_spec("triton") is None:
-    pytest.skip("no GPU here, and no triton package for Triton's interpreter "
-                "(pip install triton==3.6.0 to run these kernels on CPU)",
-                allow_module_level=True)
+kernels_run = pytest.mark.skipif(
+    not ON_GPU and importlib.util.find_spec("triton") is None,
+    reason="no GPU here, and no triton package for Triton's interpreter (pip install "
+           "triton==3.6.0 to run these kernels on CPU)")
 if not ON_GPU:
     # Read when @triton.jit wraps the kernels: set before their module is imported.
     os.environ["TRITON_INTERPRET"] = "1"
@@ -40,7 +43,7 @@ def _interpreter_fixes():
     1-element arrays its scalars are (read the element instead); and its ``tl.dot`` multiplies
     bf16 operands as their raw uint16 bits (widen them to float32 first: exact, as the GPU's
     bf16 products accumulated in float32 are)."""
-    if ON_GPU:
+    if ON_GPU or importlib.util.find_spec("triton") is None:
         yield
         return
     import triton.language as tl
@@ -158,6 +161,7 @@ def lists(buf):
             for row in range(len(count))}
 
 
+@kernels_run
 @pytest.mark.parametrize("r,d,dtype", [(1, 64, jnp.float32), (5, 128, jnp.float32),
                                        (4, 128, jnp.bfloat16), (8, 64, jnp.bfloat16)])
 def test_matches_float64_reference(r, d, dtype):
@@ -165,6 +169,7 @@ def test_matches_float64_reference(r, d, dtype):
     check(rng, lengths=KERNEL_LENGTHS, budgets=KERNEL_BUDGETS, hkv=2, r=r, d=d, dtype=dtype)
 
 
+@kernels_run
 @pytest.mark.parametrize("tuning", [
     TritonDecodeTuning(fuse_score_select=True, histogram=False, block_pages=2, splits=5,
                        score_chunk=16),
@@ -178,6 +183,7 @@ def test_settings_do_not_change_the_result(tuning):
           dtype=jnp.float32, tuning=tuning)
 
 
+@kernels_run
 @pytest.mark.parametrize("tuning", [TritonDecodeTuning(),
                                     TritonDecodeTuning(fuse_score_select=True, histogram=False)])
 def test_ties_and_signs_order_as_the_reference(tuning):
@@ -204,6 +210,7 @@ def test_ties_and_signs_order_as_the_reference(tuning):
         assert got[i, 0] == select_pages_np(scores, n, int(budget)), budget
 
 
+@kernels_run
 def test_zero_length_row_gives_zeros():
     """A row of length 0 (padding inside jit) attends to nothing and returns zeros, not NaN."""
     rng = np.random.default_rng(3)
@@ -223,3 +230,28 @@ def test_zero_length_row_gives_zeros():
 def test_bad_tuning_is_named(change, match):
     with pytest.raises(ValueError, match=match):
         TritonDecodeTuning(**change)
+
+
+def test_missing_packages_give_one_line(monkeypatch):
+    """impl="triton" without jax-triton names what to install (jax-triton is imported only
+    when that impl runs)."""
+    monkeypatch.setitem(sys.modules, "jax_triton", None)
+    rng = np.random.default_rng(1)
+    q, k, v, _, table, lengths = make_case(rng, lengths=[40], hkv=1, r=2, d=16,
+                                           dtype=jnp.float32)
+    with pytest.raises(ImportError, match=r"pip install 'sparrow-jax\[triton\]'"):
+        sparse_decode(q, k, v, table, lengths, jnp.asarray([3]), page_size=P, impl="triton")
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a GPU: jax-triton launches compiled kernels only")
+def test_dispatch_runs_the_triton_kernels():
+    """sparse_decode(impl="triton") under jit equals the reference on the kernel matrix."""
+    rng = np.random.default_rng(2)
+    q, k, v, cent, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=4, d=64,
+                                              dtype=jnp.float32)
+    budgets = jnp.asarray(KERNEL_BUDGETS, jnp.int32)
+    step = jax.jit(functools.partial(sparse_decode, page_size=P, centroids=cent),
+                   static_argnames="impl")
+    got = step(q, k, v, table, lengths, budgets, impl="triton")
+    want = step(q, k, v, table, lengths, budgets, impl="reference")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)

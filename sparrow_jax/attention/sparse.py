@@ -1,8 +1,9 @@
 """Sparse decode attention for one layer over a paged KV cache (docs/design.md, sections 2-3).
 
 The reference implementation here defines the semantics; the Pallas kernels for GPU
-(``impl="pallas"``) and for TPU (``impl="pallas_tpu"``) match it, and all check their arguments
-in :mod:`sparrow_jax.attention.sparse_args`. ``impl="auto"`` picks per platform
+(``impl="pallas"``) and for TPU (``impl="pallas_tpu"``) and the Triton kernels for GPU
+(``impl="triton"``, through jax-triton, imported only when chosen) match it, and all check
+their arguments in :mod:`sparrow_jax.attention.sparse_args`. ``impl="auto"`` picks per platform
 (:func:`resolve_impl`). Both are jittable with budgets and lengths as runtime
 arrays: the number of pages gathered per sequence and KV head is static (``max_budget_pages``, by
 default the page-table width).
@@ -21,7 +22,7 @@ from pallas_kernels.sparse_decode_gpu import kernel_limits, sparse_decode_pallas
 from sparrow_jax.attention import selection
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
-IMPLS = ("auto", "reference", "pallas", "pallas_tpu")
+IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "triton")
 
 
 def _summaries(k_pages, scorer, centroids, summaries):
@@ -67,8 +68,10 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         ValueError; run interpreted off GPU, slowly, so CPU tests check them), ``"pallas_tpu"``
         (the Mosaic kernels of :mod:`pallas_kernels.sparse_decode_tpu`; centroid scorer, page
         size 16/32/64, head_dim a multiple of 128, else ValueError; run in TPU interpret mode
-        off TPU), ``"auto"`` (the kernels for the platform where they apply, else the
-        reference: see :func:`resolve_impl`).
+        off TPU), ``"triton"`` (the Triton kernels of
+        :mod:`pallas_kernels.sparse_decode_triton` through jax-triton, GPU only: the
+        ``triton`` extra; limits as ``"pallas"``), ``"auto"`` (the kernels for the platform
+        where they apply, else the reference: see :func:`resolve_impl`).
       centroids: ``[Hkv, N, D]`` page centroids for ``scorer="centroid"``, computed from the pages
         when None. Only full pages' centroids are read.
       summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``scorer="quest"``; computed when None.
@@ -99,6 +102,11 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
             interpret=interpret)
 
     chosen = resolve_impl(impl, scorer, q.shape[-1], page_size)
+    if chosen == "triton":
+        from pallas_kernels.sparse_decode_triton import sparse_decode_triton_checked
+        return sparse_decode_triton_checked(
+            q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
+            page_size=page_size, max_budget_pages=max_budget_pages)
     if chosen == "pallas":
         return sparse_decode_pallas_checked(
             q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
@@ -118,7 +126,8 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
 def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
                  platform: str | None = None) -> str:
     """The implementation ``sparse_decode(impl=...)`` runs on ``platform`` (default
-    ``jax.default_backend()``): ``"pallas"``, ``"pallas_tpu"`` or ``"reference"``.
+    ``jax.default_backend()``): ``"pallas"``, ``"pallas_tpu"``, ``"triton"`` (only when named)
+    or ``"reference"``.
 
     ``"auto"`` is the GPU kernels on a GPU where they apply (scorer ``"centroid"``, power-of-two
     page size and head_dim >= 16), the TPU kernels on a TPU where they apply (scorer
@@ -132,6 +141,7 @@ def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     platform = platform or jax.default_backend()
     why = {"pallas": kernel_limits(head_dim, page_size, scorer),
+           "triton": kernel_limits(head_dim, page_size, scorer),
            "pallas_tpu": sparse_decode_tpu.kernel_limits(head_dim, page_size, scorer)}
     if impl == "auto":
         impl = {"gpu": "pallas", "tpu": "pallas_tpu"}.get(platform, "reference")
