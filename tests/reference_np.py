@@ -160,3 +160,27 @@ def tail_statistic_np(alpha, positions, mask=None, bin_tokens=2000, quantile=0.0
         if len(sel) >= min_count:
             out[i] = np.percentile(sel, 100 * quantile)
     return out
+
+
+# The decode kernels' shared test matrix (GPU, TPU and Triton kernels alike), in pages of 16.
+# Lengths: 1 token, partial pages, exact page boundaries (48, 320), a long ragged one.
+KERNEL_LENGTHS = [1, 20, 48, 97, 320, 515]
+# Budgets: the minimum 3 (reserved pages only), small, exactly n, more than the sequence.
+KERNEL_BUDGETS = [3, 3, 3, 4, 20, 40]
+
+
+def random_kernel_case(rng: np.random.Generator) -> tuple[list[int], list[int]]:
+    """Lengths and budgets of one slow-matrix case: five random lengths and a 64-page one, with
+    the minimum, small, large, exactly-n and beyond-the-sequence budgets."""
+    lengths = rng.integers(1, 1200, size=5).tolist() + [1024]
+    budgets = [3, int(rng.integers(3, 20)), int(rng.integers(20, 60)), 8, 100, 64]
+    return lengths, budgets
+
+
+def assert_kernel_close(got: np.ndarray, want: np.ndarray, low_precision: bool) -> None:
+    """A kernel's output against the float64 reference: float32 is exact math up to rounding
+    (1e-5 relative to the largest output); bf16 rounds the probabilities for P.V and the output
+    (1e-2)."""
+    assert np.isfinite(got).all()
+    rel = np.abs(got - want).max() / np.abs(want).max()
+    assert rel < (1e-2 if low_precision else 1e-5), rel

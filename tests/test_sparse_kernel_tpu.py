@@ -16,7 +16,8 @@ import pytest
 from pallas_kernels.sparse_decode_tpu import (LANES, TpuDecodeTuning, page_lists, row_keys,
                                               select_ranks, sparse_decode_tpu,
                                               sparse_decode_tpu_checked)
-from reference_np import select_pages_np, sparse_decode_np
+from reference_np import (KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case,
+                          select_pages_np, sparse_decode_np)
 
 INTERPRET = jax.default_backend() != "tpu"
 
@@ -63,16 +64,7 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, page_size, contiguous=Fals
     want = sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table), np.asarray(lengths),
                             np.asarray(budgets), page_size=page_size, centroids=as64(cent))
     got = as64(out)
-    assert np.isfinite(got).all()
-    rel = np.abs(got - want).max() / np.abs(want).max()
-    # float32: exact up to rounding; bf16: P rounded to bf16 for P.V, output rounded to bf16.
-    assert rel < (1e-5 if dtype == jnp.float32 else 1e-2), rel
-
-
-# Lengths: 1 token, partial pages, exact page boundaries, a long ragged one (in pages of 16).
-LENGTHS = [1, 20, 48, 97, 320, 515]
-# Budgets: the minimum 3 (reserved pages only), small, exactly n, more than the sequence.
-BUDGETS = [3, 3, 3, 4, 20, 40]
+    assert_kernel_close(got, want, low_precision=dtype == jnp.bfloat16)
 
 
 @pytest.mark.parametrize("case", [
@@ -89,7 +81,7 @@ BUDGETS = [3, 3, 3, 4, 20, 40]
 def test_matches_float64_reference(case):
     case = dict(case)
     rng = np.random.default_rng(case["r"] * 100 + case["page_size"])
-    check(rng, lengths=case.pop("lengths", LENGTHS), budgets=case.pop("budgets", BUDGETS),
+    check(rng, lengths=case.pop("lengths", KERNEL_LENGTHS), budgets=case.pop("budgets", KERNEL_BUDGETS),
           hkv=2, d=128, **case)
 
 
@@ -99,8 +91,7 @@ def test_matches_float64_reference(case):
 @pytest.mark.parametrize("r", [1, 2, 3, 4, 5, 6, 7, 8])
 def test_full_matrix(r, dtype, page_size):
     rng = np.random.default_rng(r * 7 + page_size)
-    lengths = rng.integers(1, 1200, size=5).tolist() + [1024]
-    budgets = [3, int(rng.integers(3, 20)), int(rng.integers(20, 60)), 8, 100, 64]
+    lengths, budgets = random_kernel_case(rng)
     check(rng, lengths=lengths, budgets=budgets, hkv=2, r=r, d=128, dtype=dtype,
           page_size=page_size, contiguous=bool(r % 2),
           tuning=TpuDecodeTuning(stream_lists=bool(r % 3 == 0), coalesce=r != 4))
