@@ -1,6 +1,7 @@
 """The closed-loop controller (sparrow_jax/rl/closed_loop.py, docs/design.md, section 9) on
-synthetic statistics: hand-worked steps, and random sequences against a plain-Python reference of the rule
-written here, bin by bin, with the invariants (bounds, non-decreasing table) checked every step.
+synthetic statistics: hand-worked steps, and random sequences against a plain-Python reference
+of the rule written here, bin by bin, with the invariants (bounds, non-decreasing table) checked
+every step.
 """
 
 import dataclasses
@@ -187,7 +188,7 @@ def test_metrics_name_each_change():
                  "schedule_changes": 1.0, "schedule_old_bin00": 2.0, "schedule_new_bin00": 3.0}
     assert cl.changes(s, after, tail, tokens) == [
         {"bin": 0, "old": 2, "new": 3, "tail": 0.5, "tokens": 40}]
-    assert cl.LoopState.from_dict(after.to_dict()).to_dict() == after.to_dict()
+    assert cl.ControllerState.from_dict(after.to_dict()).to_dict() == after.to_dict()
 
 
 def _train_dict(tmp_path, **over):

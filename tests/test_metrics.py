@@ -50,7 +50,7 @@ def _np_logsoftmax(x):
 
 def test_mismatch_metrics_match_numpy():
     pytest.importorskip("sparrow_jax.mismatch")
-    from sparrow_jax.rl.trainer import mismatch_metrics
+    from sparrow_jax.rl.step_metrics import mismatch_metrics
 
     rng = np.random.default_rng(0)
     s, r, v, k = 4, 6, 12, 5

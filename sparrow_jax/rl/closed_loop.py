@@ -1,7 +1,7 @@
 """The closed-loop schedule: a controller that moves each length bin's page budget during training
 to hold the tail of the acceptance rate at a target (docs/design.md, section 9).
 
-Pure functions over a small state pytree (:class:`LoopState`, host NumPy arrays, one entry per
+Pure functions over a small state pytree (:class:`ControllerState`, host NumPy arrays, one entry per
 bin of the budget table):
 
 - :func:`init_state`: the starting table (the configured, calibrated one) and its bounds.
@@ -16,6 +16,10 @@ bin of the budget table):
   done). A bin whose budget changed, by its own rule or the running maximum, starts its streak
   again: its statistic was measured at the old budget.
 - :func:`changes` and :func:`loop_metrics`: what a step changed, as metric names and numbers.
+- :func:`observe`: all of it for one training step, as the trainer calls it; :func:`bound`:
+  the schedule of the upper bounds, which the rollout engine takes as ``schedule_bound`` so that
+  every table the controller may reach runs on one compilation of the decode loop
+  (:mod:`sparrow_jax.rollout.budget`).
 
 Several processes: every process holds the whole step's batch (the trainer gathers the rollout
 and runs the recompute over the global mesh), so the statistic is already pooled and
@@ -25,6 +29,7 @@ the same, so the tables cannot drift apart.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from typing import NamedTuple
 
@@ -34,7 +39,7 @@ import numpy as np
 from sparrow_jax.mismatch import tail_statistic
 
 
-class LoopState(NamedTuple):
+class ControllerState(NamedTuple):
     """The controller's whole state; ``[num_bins]`` int64 each. ``table``: top-k pages per bin
     (the 3 reserved pages excluded, as in :class:`~sparrow_jax.schedule.BudgetSchedule`);
     ``streak``: consecutive comfortable steps; ``lower``/``upper``: the bounds."""
@@ -49,11 +54,11 @@ class LoopState(NamedTuple):
         return {k: [int(x) for x in v] for k, v in self._asdict().items()}
 
     @classmethod
-    def from_dict(cls, data: dict[str, list[int]]) -> "LoopState":
+    def from_dict(cls, data: dict[str, list[int]]) -> "ControllerState":
         return cls(**{k: np.asarray(data[k], np.int64) for k in cls._fields})
 
 
-def init_state(table, config) -> LoopState:
+def init_state(table, config) -> ControllerState:
     """``table [num_bins]`` (non-decreasing top-k pages) -> the state before the first step.
     Bounds per bin: ``floor(lower x t)`` to ``max(ceil(upper x t), 1)`` (so a bin of 0 pages
     may still rise), capped at ``max_pages``; both non-decreasing, like ``table``."""
@@ -68,7 +73,7 @@ def init_state(table, config) -> LoopState:
             raise ValueError(f"closed loop: the starting table reaches {int(t.max())} pages, "
                              f"above closed_loop.max_pages={config.max_pages}")
         upper = np.minimum(upper, config.max_pages)
-    return LoopState(t, np.zeros_like(t), lower, upper)
+    return ControllerState(t, np.zeros_like(t), lower, upper)
 
 
 def bin_tail(alpha, positions, mask, bin_tokens: int, num_bins: int, quantile: float):
@@ -104,7 +109,7 @@ def rung_down(b: np.ndarray, config) -> np.ndarray:
     return np.maximum(0, np.minimum(b - 1, np.floor(b / config.growth).astype(np.int64)))
 
 
-def advance(state: LoopState, tail, tokens, config) -> LoopState:
+def advance(state: ControllerState, tail, tokens, config) -> ControllerState:
     """One step of the rule (module docstring) on the step's ``tail [num_bins]`` and
     ``tokens [num_bins]`` -> the next state."""
     tail = np.asarray(tail, np.float64)
@@ -120,14 +125,14 @@ def advance(state: LoopState, tail, tokens, config) -> LoopState:
     return state._replace(table=table.astype(np.int64), streak=streak.astype(np.int64))
 
 
-def changes(before: LoopState, after: LoopState, tail, tokens) -> list[dict]:
+def changes(before: ControllerState, after: ControllerState, tail, tokens) -> list[dict]:
     """The bins a step changed: ``{"bin", "old", "new", "tail", "tokens"}`` each."""
     return [{"bin": int(i), "old": int(before.table[i]), "new": int(after.table[i]),
              "tail": float(tail[i]), "tokens": int(tokens[i])}
             for i in np.flatnonzero(before.table != after.table)]
 
 
-def loop_metrics(before: LoopState, after: LoopState, tail, tokens) -> dict[str, float]:
+def loop_metrics(before: ControllerState, after: ControllerState, tail, tokens) -> dict[str, float]:
     """The metrics line's part: each bin's statistic and token count (``closed_loop_p5_binNN``,
     ``closed_loop_tokens_binNN``, measured bins only), the table after the step
     (``schedule_pages_binNN``), the number of changed bins (``schedule_changes``), and for
@@ -146,7 +151,7 @@ def loop_metrics(before: LoopState, after: LoopState, tail, tokens) -> dict[str,
     return out
 
 
-def agree(state: LoopState) -> LoopState:
+def agree(state: ControllerState) -> ControllerState:
     """Process 0's state on every process (one process: ``state`` itself)."""
     import jax
 
@@ -155,4 +160,23 @@ def agree(state: LoopState) -> LoopState:
     from sparrow_jax import distributed
 
     rows = distributed.allgather_rows(np.stack(state)[None])   # [processes, 4, num_bins]
-    return LoopState(*(np.asarray(x, np.int64) for x in rows[0]))
+    return ControllerState(*(np.asarray(x, np.int64) for x in rows[0]))
+
+
+def observe(state: ControllerState, config, schedule, rollout, dense):
+    """One training step: the statistic of ``config.estimator`` per bin of ``schedule`` (a
+    ``table`` :class:`~sparrow_jax.schedule.BudgetSchedule`) from the step's ``rollout`` and
+    dense recompute ``dense`` -> (next state, the schedule of its table, metrics)."""
+    from sparrow_jax.rl.step_metrics import response_positions, token_alphas
+
+    alpha = token_alphas(rollout, dense)[config.estimator]
+    tail, tokens = bin_tail(alpha, response_positions(rollout), rollout.response_mask,
+                            schedule.bin_tokens, len(schedule.table), config.quantile)
+    new = agree(advance(state, tail, tokens, config))
+    return (new, dataclasses.replace(schedule, table=tuple(int(x) for x in new.table)),
+            loop_metrics(state, new, tail, tokens))
+
+
+def bound(state: ControllerState, schedule):
+    """``schedule`` with the upper bounds as its table: above every table the state may reach."""
+    return dataclasses.replace(schedule, table=tuple(int(x) for x in state.upper))

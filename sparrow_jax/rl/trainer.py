@@ -1,11 +1,12 @@
 """The GRPO training loop: sparse rollouts, dense recomputation (docs/design.md, section 7).
 
-One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off)
--> mismatch metrics -> GRPO update -> metrics -> checkpoint. Steps are 0-based; the checkpoint
-named s holds the state before step s (s steps done), so ``--resume`` continues at step s and
-reproduces an uninterrupted run bit for bit (every random choice flows from the saved key and
-iterator state; evaluation draws from its own key, a function of the seed and the step, so
-the evaluation cadence changes no training result).
+One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off) ->
+mismatch metrics -> GRPO update -> [closed loop: the budget table follows the step's tail of
+alpha, :mod:`sparrow_jax.rl.closed_loop`] -> metrics -> checkpoint. Steps are 0-based; the
+checkpoint named s holds the state before step s (s steps done), so ``--resume`` continues at step
+s and reproduces an uninterrupted run bit for bit (every random choice flows from the saved key
+and iterator state; evaluation draws from its own key, a function of the seed and the step, so the
+evaluation cadence changes no training result).
 
 A run folder holds one run (:mod:`sparrow_jax.rl.run_dir`); SIGINT and SIGTERM stop at the next
 safe point with a checkpoint (:mod:`sparrow_jax.rl.interrupt`).
@@ -42,7 +43,6 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import signal
-import time
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -54,6 +54,7 @@ from flax import nnx
 from sparrow_jax import distributed, sharding
 from sparrow_jax.config import ConfigError, to_dict
 from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
+from sparrow_jax.rl import closed_loop
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
 from sparrow_jax.rl.distill import DistillBatch, DistillUpdater, SparseRule
@@ -61,6 +62,7 @@ from sparrow_jax.rl.interrupt import StepAbandoned, StopSignals, TrainingInterru
 from sparrow_jax.rl.recompute import DenseStats, recompute
 from sparrow_jax.rl.rewards import get_reward, score_batch
 from sparrow_jax.rl.run_dir import RunDirError, check_resume, prepare_fresh
+from sparrow_jax.rl.step_metrics import Timer, step_metrics
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
 from sparrow_jax.rollout.types import Rollout
 
@@ -97,14 +99,17 @@ def load_policy(spec: ModelSpec, mesh: jax.sharding.Mesh | None = None):
 
 def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
     """The sparse rollout engine with the config's temperature-only sampling
-    (:meth:`RolloutSettings.rollout_config`); with ``distill`` on, the actor's LoRA on."""
+    (:meth:`RolloutSettings.rollout_config`); with ``distill`` on, the actor's LoRA on.
+    ``schedule=`` overrides ``schedule`` per call (the closed loop's current table), and
+    ``schedule_bound=`` declares a ceiling of all of them (one compilation for every table)."""
     from sparrow_jax.rollout.engine import generate
 
     lora = config.distill.enabled
 
-    def rollout_fn(model, prompts, key, n, **extra):
+    def rollout_fn(model, prompts, key, n, schedule=schedule, schedule_bound=None, **extra):
         cfg = config.rollout.rollout_config(n, model.config.eos_token_ids)
-        return generate(model, prompts, cfg, key, schedule=schedule, lora=lora, **extra)
+        return generate(model, prompts, cfg, key, schedule=schedule, lora=lora,
+                        schedule_bound=schedule_bound, **extra)
 
     return rollout_fn
 
@@ -123,43 +128,6 @@ def check_rollout(rollout: Rollout, num_prompts: int, n: int) -> None:
     if not np.array_equal(np.asarray(rollout.prompt_index), expected):
         raise ValueError("rollout rows are not grouped as n adjacent samples per prompt "
                          "(prompt_index must be 0,0,..,1,1,..)")
-
-
-def mismatch_metrics(rollout: Rollout, dense: DenseStats, bin_tokens: int, num_bins: int,
-                     min_count: int, page_size: int) -> dict[str, float]:
-    """Acceptance rates (``topk_bound`` and ``paper`` estimators, docs/design.md, section 5),
-    their mean, 5th percentile over all response tokens and tail statistic per length bin, and
-    the fraction of decode steps that ran sparse (``ceil(lengths / P) > budget``)."""
-    from sparrow_jax.mismatch import (acceptance_rate_paper, acceptance_rate_topk_bound,
-                                      tail_statistic)
-
-    mask = np.asarray(rollout.response_mask)
-    r = mask.shape[1]
-    # Response token j is sampled at the step whose query sits at index p + j - 1, so that
-    # step's ``lengths`` (docs/design.md, section 2) is p + j.
-    lengths = np.asarray(rollout.prompt_lengths)[:, None] + np.arange(r)[None, :]
-    alphas = {
-        "topk_bound": acceptance_rate_topk_bound(dense.actor_topk_logprobs,
-                                                 rollout.topk_logprobs),
-        "paper": acceptance_rate_paper(dense.topk_ids, dense.topk_logprobs, rollout.topk_ids,
-                                       rollout.topk_logprobs),
-    }
-    out = {}
-    for name, alpha in alphas.items():
-        a = np.asarray(alpha)
-        out[f"alpha_{name}_mean"] = float(a[mask].mean())
-        out[f"alpha_{name}_p5"] = float(np.percentile(a[mask], 5))
-        tail = np.asarray(tail_statistic(alpha, jnp.asarray(lengths), bin_tokens=bin_tokens,
-                                         quantile=0.05, mask=jnp.asarray(mask),
-                                         num_bins=num_bins, min_count=min_count))
-        for i, v in enumerate(tail):
-            if np.isfinite(v):
-                out[f"alpha_{name}_p5_bin{i:02d}"] = float(v)
-    budget = np.asarray(rollout.budget_pages)
-    pages = -(-lengths // page_size)
-    sparse = (budget > 0) & (pages > budget)
-    out["sparse_step_fraction"] = float(sparse[mask].mean())
-    return out
 
 
 def gather_rollout(local: Rollout, num_prompts: int, n: int) -> Rollout:
@@ -204,6 +172,9 @@ class Trainer:
         if config.distill.enabled:
             self._attach_distill()
         self.schedule = config.budget_schedule
+        # The closed-loop schedule (docs/design.md, section 9): its state, or None when off.
+        self.loop = closed_loop.init_state(self.schedule.table, config.closed_loop) \
+            if config.closed_loop.enabled else None
         self.rollout_fn = rollout_fn or engine_rollout_fn(config, self.schedule)
         self.reward_fn = get_reward(config.reward)
         tokenizer = None
@@ -230,15 +201,16 @@ class Trainer:
 
     def _attach_distill(self) -> None:
         """LoRA adapters on the policy and their optimizer (docs/design.md, section 8)."""
-        from sparrow_jax.models.lora import attach_lora
+        from sparrow_jax.models.lora import LoRAParam, attach_lora
 
         cfg = self.config
-        if self.mesh is not None:
-            # Adapters are not yet laid out by their base weights' rules.
-            raise ConfigError("distill.enabled=true runs on one device only (no mesh, one "
-                              "process) for now")
         attach_lora(self.model, cfg.distill.lora,
                     jax.random.fold_in(jax.random.key(cfg.seed), _LORA_STREAM))
+        if self.mesh is not None:
+            # The adapters by their base kernels' rows of sharding.PARAM_RULES; host copies
+            # first, as in load_policy.
+            nnx.update(self.model, jax.tree.map(np.asarray, nnx.state(self.model, LoRAParam)))
+            sharding.shard_model(self.model, self.mesh)
         self.distill = DistillUpdater(cfg.distill, cfg.update, cfg.optim,
                                       SparseRule.of(cfg.rollout.engine))
         self.distill_state = self.distill.init(self.model)
@@ -261,6 +233,7 @@ class Trainer:
     def save(self) -> None:
         record = {"step": self.step, "data": self.iterator.state_dict(),
                   "schedule": None if self.schedule is None else self.schedule.to_dict(),
+                  "closed_loop": None if self.loop is None else self.loop.to_dict(),
                   "config": to_dict(self.config)}
         self.checkpointer.save(self.step, self._arrays(), record)
 
@@ -284,19 +257,26 @@ class Trainer:
         self.iterator.load_state_dict(record["data"])
         if record["schedule"] is not None:
             self.schedule = build_schedule(record["schedule"])
+        if self.loop is not None:
+            self.loop = closed_loop.ControllerState.from_dict(record["closed_loop"])
         self.step = int(record["step"])
 
     # -- rollouts and stops on several processes -----------------------------------------------
     def _rollout(self, prompts, key, n, prompt_ids=None) -> Rollout:
         """``rollout_fn`` on this process's devices: the whole mesh with one process; with
         several, a copy of the weights on the local devices (each process samples its own
-        prompts, ``prompt_ids`` fixing their streams)."""
+        prompts, ``prompt_ids`` fixing their streams). With the closed loop on, also the current
+        ``schedule`` and its ``schedule_bound`` (the controller's upper bounds)."""
+        extra = {} if self.loop is None else {
+            "schedule": self.schedule,
+            "schedule_bound": closed_loop.bound(self.loop, self.schedule)}
         if self.mesh is None:
-            return self.rollout_fn(self.model, prompts, key, n)
+            return self.rollout_fn(self.model, prompts, key, n, **extra)
         if self.processes == 1:
-            return self.rollout_fn(self.model, prompts, key, n, mesh=self.mesh)
+            return self.rollout_fn(self.model, prompts, key, n, mesh=self.mesh, **extra)
         model, mesh = self._local_policy()
-        extra = {"prompt_ids": prompt_ids} if prompt_ids is not None else {}
+        if prompt_ids is not None:
+            extra["prompt_ids"] = prompt_ids
         if mesh is not None:
             extra["mesh"] = mesh
         return self.rollout_fn(model, prompts, key, n, **extra)
@@ -340,7 +320,7 @@ class Trainer:
         changes no state but the key and the prompt iterator, which :meth:`run` puts back."""
         cfg = self.config
         n, temperature = cfg.rollout.samples_per_prompt, cfg.rollout.temperature
-        timer = _Timer()
+        timer = Timer()
         with self._abandonable():
             prompts, answers = self.iterator.next_batch(self.train_set)
             self.key, k_roll, k_update = jax.random.split(self.key, 3)
@@ -387,6 +367,10 @@ class Trainer:
         if self.distill is not None:
             update_metrics.update(self._distill_step(before, rollout, dense, advantages, plan,
                                                      timer))
+        if self.loop is not None:
+            self.loop, self.schedule, loop_metrics = closed_loop.observe(
+                self.loop, cfg.closed_loop, self.schedule, rollout, dense)
+            update_metrics.update(loop_metrics)
         self.step += 1
         return step_metrics(cfg, rollout, dense, rewards, update_metrics, timer.seconds)
 
@@ -511,39 +495,6 @@ def _mesh(config: TrainConfig, processes: int) -> jax.sharding.Mesh | None:
 
 _EVAL_STREAM = 0x65766131  # folded into the seed's key: evaluation's own random stream
 _LORA_STREAM = 0x6c6f7261  # folded into the seed's key: the LoRA adapters' initialisation
-
-
-class _Timer:
-    """``with timer("rollout"): ...`` adds the block's wall time to ``seconds["rollout"]``."""
-
-    def __init__(self):
-        self.seconds: dict[str, float] = {}
-
-    @contextlib.contextmanager
-    def __call__(self, name: str):
-        t0 = time.perf_counter()
-        try:
-            yield
-        finally:
-            self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - t0
-
-
-def step_metrics(cfg: TrainConfig, rollout: Rollout, dense: DenseStats, rewards, update_metrics,
-                 seconds: dict[str, float]) -> dict[str, float]:
-    """The metrics line of one step: rewards, lengths, entropy, mismatch, update, timings."""
-    mask = np.asarray(rollout.response_mask)
-    lengths = np.asarray(rollout.response_lengths)
-    return {
-        "reward_mean": float(np.mean(rewards)), "reward_std": float(np.std(rewards)),
-        "response_length_mean": float(lengths.mean()),
-        "response_length_max": float(lengths.max()),
-        "entropy": float(dense.entropy[mask].mean()),
-        **mismatch_metrics(rollout, dense, cfg.mismatch.bin_tokens, cfg.mismatch.num_bins,
-                           cfg.mismatch.min_count, cfg.rollout.engine.page_size),
-        **update_metrics,
-        "tokens_per_s": float(lengths.sum() / max(seconds["rollout"], 1e-9)),
-        **{f"time_{name}": t for name, t in seconds.items()},
-    }
 
 
 def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
