@@ -84,11 +84,10 @@ def _threshold_histogram(u, valid, k):
     bins = tl.arange(0, 256)
     rem = k
     prefix = tl.full([], 0, tl.uint32)
-    for r in tl.static_range(4):
-        shift: tl.constexpr = 24 - 8 * r
+    for shift in tl.static_range(24, -1, -8):
         digit = ((u >> shift) & 0xFF).to(tl.int32)
         match = valid
-        if r > 0:
+        if shift < 24:
             match = valid & ((u >> (shift + 8)) == (prefix >> (shift + 8)))
         hist = tl.histogram(digit, 256, mask=match)
         at_least = tl.sum(hist, axis=0) - tl.cumsum(hist, axis=0) + hist   # keys >= digit d

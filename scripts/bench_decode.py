@@ -7,6 +7,8 @@ in one run on the GPU:
   chosen pages (the off-the-shelf pieces);
 * ``xla_reference``: ``sparrow_jax.attention.sparse.sparse_decode(impl="reference")``;
 * ``kernel``: ``pallas_kernels.sparse_decode_gpu.sparse_decode_pallas``;
+* ``triton`` (``--triton-configs``): ``pallas_kernels.sparse_decode_triton.sparse_decode_triton``
+  (needs jax-triton);
 
 plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array) and the bytes
 each must move. Every sequence is at the full context, pages scattered in the pool. Each timing
@@ -34,8 +36,10 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
-                                             pad_heads, score_keys, select_from_keys,
+                                             merge_splits, pad_heads, score_keys, select_from_keys,
                                              select_page_lists, sparse_decode_pallas)
+from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
+                                                 sparse_decode_triton)
 from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds, read_ceiling
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
@@ -78,6 +82,48 @@ def parse_variant(spec):
                  t="select_warps", g="attend_stages", v="score_warps")
     kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgv])(\d+)", spec)}
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
+
+
+def parse_triton_variant(spec):
+    """'b8w8f1' -> ('triton_b8w8f1', TritonDecodeTuning(block_pages=8, attend_warps=8,
+    fuse_score_select=True)); a spec without letters and numbers ('default') -> the defaults."""
+    names = dict(b="block_pages", s="splits", w="attend_warps", g="attend_stages",
+                 c="score_chunk", v="score_warps", t="select_warps", f="fuse_score_select",
+                 h="histogram")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswgcvtfh])(\d+)", spec)}
+    for flag in ("fuse_score_select", "histogram"):
+        if flag in kw:
+            kw[flag] = bool(kw[flag])
+    return f"triton_{spec}", TritonDecodeTuning(**kw)
+
+
+def triton_breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budgets, kb,
+                           b, m):
+    """The Triton step's parts timed alone: its scoring and selection launches, and its
+    attention launch + merge from given lists (chained as in :func:`breakdown_cases`)."""
+    launches = plan(batch=b, q_heads=HQ, kv_heads=HKV, head_dim=D, pages_total=k_pages.shape[1],
+                    page_size=P, table_width=m, max_pages=kb, compute_dtype=q.dtype,
+                    tuning=tuning)
+
+    def select_only(q_, c_, t_, l_, bu_):
+        buf = run_launches(launches[:-1], dict(q=q_, centroids=c_, table=t_, lengths=l_,
+                                               budgets=bu_))
+        return q_ + (buf["phys"][:, :1].sum() + buf["count"].sum() == -1).astype(q_.dtype)
+
+    lists = jax.jit(lambda *a: run_launches(launches[:-1], dict(
+        zip(("q", "centroids", "table", "lengths", "budgets"), a))))(
+            q, centroids, table, lengths, budgets)
+
+    def attend_only(q_, k_, v_, ph_, sl_, co_, l_):
+        buf = run_launches(launches[-1:], dict(q=q_, k=k_, v=v_, phys=ph_, slots=sl_,
+                                               count=co_, lengths=l_))
+        return merge_splits(buf["o"], buf["m"], buf["l"], HQ // HKV).astype(q_.dtype)
+
+    return {"tpart_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
+                                   b * HKV * (m - 3) * D * 2),
+            "tpart_attend": (None, attend_only, (q, k_pages, v_pages, lists["phys"],
+                                                 lists["slots"], lists["count"], lengths),
+                             b * HKV * kb * P * D * 2 * 2)}
 
 
 def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budgets, kb, b, m,
@@ -195,6 +241,11 @@ def main(argv=None):
                          "letters+numbers: b block_pages, s splits, w attention warps, "
                          "g attention stages, c score_chunk, v score warps, t select warps "
                          "(e.g. b4s2w2g1c64v4t4)")
+    ap.add_argument("--triton-configs", default="",
+                    help="Triton kernel variants (TritonDecodeTuning), comma separated: "
+                         "'default', or letters+numbers: b block_pages, s splits, w attention "
+                         "warps, g attention stages, c score_chunk, v score warps, t select "
+                         "warps, f1 fused scoring + selection, h0 bitwise threshold search")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -211,7 +262,8 @@ def main(argv=None):
           flush=True)
     ceiling = read_ceiling(small=args.interpret)
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
-    variants = [parse_variant(c) for c in args.kernel_configs.split(",")]
+    variants = [parse_variant(c) for c in args.kernel_configs.split(",") if c]
+    triton_variants = [parse_triton_variant(c) for c in args.triton_configs.split(",") if c]
     rows = []
     rng = np.random.default_rng(0)
     for ctx in args.contexts:
@@ -270,7 +322,24 @@ def main(argv=None):
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
-                if args.breakdown:
+                for name, tuning in triton_variants:
+                    fn = functools.partial(
+                        lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_triton(
+                            q_, k_, v_, t_, l_, bu_, centroids=c_, **kw_),
+                        page_size=P, max_budget_pages=kb, tuning=tuning)
+                    cases[f"{name}@{budget_tokens}"] = (
+                        budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
+                                            budgets), sparse_bytes)
+                if args.breakdown and triton_variants:
+                    try:
+                        parts = triton_breakdown_cases(triton_variants[0][1], q, k_pages,
+                                                       v_pages, centroids, table, lengths,
+                                                       budgets, kb, b, m)
+                        cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
+                    except Exception as e:  # the lists' launch failing is a result too
+                        print(f"triton breakdown ctx={ctx} b={b}: FAILED {e!r}"[:2000],
+                              flush=True)
+                if args.breakdown and variants:
                     parts = breakdown_cases(variants[0][1], q, k_pages, v_pages, centroids,
                                             table, lengths, budgets, kb, b, m, args.interpret)
                     cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
@@ -326,25 +395,34 @@ def main(argv=None):
 
 
 def summarize(rows):
-    """A markdown table: per (context, batch, budget), each implementation's ms and the kernel's
-    speedups and fraction of the read ceiling."""
+    """A markdown table: per (context, batch, budget), each implementation's ms, the kernel's
+    (Pallas, else Triton) speedups and fraction of the read ceiling, and the best Triton
+    variant's time, speedup over the Pallas kernel, fraction of the ceiling and error."""
     ok = [r for r in rows if "ms" in r]
     dense = {}
     for r in ok:
         if r["budget_tokens"] is None and r["impl"].startswith("dense"):
             dense.setdefault((r["context"], r["batch"]), {})[r["impl"]] = r["ms"]
     out = ["| ctx | batch | budget | dense xla / pallas ms | composition ms | xla ref ms | "
-           "kernel ms (best) | x vs dense | x vs comp | % ceiling | rel err |",
-           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+           "kernel ms (best) | x vs dense | x vs comp | % ceiling | rel err | triton ms (best) | "
+           "triton x vs kernel | triton % ceiling | triton rel err |",
+           "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
+           "--- |"]
     keys = sorted({(r["context"], r["batch"], r["budget_tokens"]) for r in ok
                    if r["budget_tokens"] is not None})
     for ctx, b, bt in keys:
         here = {r["impl"]: r for r in ok if (r["context"], r["batch"], r["budget_tokens"])
                 == (ctx, b, bt)}
         kern = [r for n, r in here.items() if n.startswith("kernel")]
-        if not kern:
+        trit = [r for n, r in here.items() if n.startswith("triton")]
+        if not kern and not trit:
             continue
-        best = min(kern, key=lambda r: r["ms"])
+        best = min(kern or trit, key=lambda r: r["ms"])
+        triton_cells = "| - | - | - | - |"
+        if trit:
+            tb = min(trit, key=lambda r: r["ms"])
+            triton_cells = (f"| {tb['ms']:.3f} ({tb['impl']}) | {best['ms'] / tb['ms']:.2f} | "
+                            f"{100 * tb['frac_ceiling']:.0f} | {tb['rel_err_vs_ref']:.1e} |")
         d = dense.get((ctx, b), {})
         dbest = min(d.values()) if d else float("nan")
         comp = here.get("composition", {}).get("ms", float("nan"))
@@ -353,12 +431,12 @@ def summarize(rows):
                    f"{d.get('dense_pallas_paged', float('nan')):.3f} | {comp:.3f} | {ref:.3f} | "
                    f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
                    f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
-                   f"{best['rel_err_vs_ref']:.1e} |")
-    parts = [r for r in ok if r["impl"].startswith("part_")]
+                   f"{best['rel_err_vs_ref']:.1e} " + triton_cells)
+    parts = [r for r in ok if r["impl"].startswith(("part_", "tpart_"))]
     if parts:
         out.append("")
         out.append("breakdown (first variant's settings): " + "; ".join(
-            f"ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl'][5:]} "
+            f"ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl']} "
             f"{r['ms'] * 1e3:.1f} us ({r['gb_per_s']:.0f} GB/s)" for r in parts))
     return out
 
