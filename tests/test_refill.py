@@ -13,6 +13,7 @@ from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.rollout.refill import generate_refill, run_refill
+from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
@@ -136,3 +137,47 @@ def test_refill_one_slot_matches_with_more_samples(model):
     for i in range(2):
         for j in range(N):
             assert got[i * 4 + j][1] == want[i * N + j][1], (i, j)
+
+
+CAPS = (3, 12, 7, 1, 9)
+
+
+@pytest.mark.parametrize("temperature,schedule_name", [(0.0, "dense"), (1.0, "sparse")])
+def test_per_prompt_caps_static_and_refill(model, temperature, schedule_name):
+    """Each prompt's rows stop at its own cap: a capped row is the uncapped row (the static
+    engine's, same streams) cut at the cap, finish LENGTH there; refill gives the same."""
+    full = _rows(_static(model, temperature, schedule_name))
+    config = _config(temperature, BIG_POOL)
+    capped = generate(model, _prompts(), config, jax.random.key(5), SCHEDULES[schedule_name],
+                      max_new_tokens=CAPS)
+    got = _rows(capped)
+    cut = 0
+    for b, (g, w) in enumerate(zip(got, full)):
+        cap = CAPS[w[0]]
+        if len(w[1]) <= cap:       # ended by itself: the very row
+            assert g[1] == w[1] and g[4] == w[4], b
+        else:
+            cut += 1
+            assert g[1] == w[1][:cap] and g[4] == int(FinishReason.LENGTH), b
+        np.testing.assert_allclose(g[2], w[2][:len(g[1])], rtol=1e-5, atol=1e-5)
+        np.testing.assert_array_equal(g[3], w[3][:len(g[1])])
+    assert cut >= 3                 # the caps did cut rows
+    ro, stats = run_refill(model, _prompts(), _config(temperature, SMALL_POOL),
+                           jax.random.key(5), SCHEDULES[schedule_name], slots=5, prefill_rows=5,
+                           max_new_tokens=CAPS)
+    _check_same(ro, capped)
+    assert stats.pages_in_use_after == 0 and stats.returned == len(LENGTHS) * N
+
+
+def test_per_prompt_caps_are_checked(model):
+    for caps, match in [((3, 12), r"max_new_tokens must be one int or 5 ints"),
+                        ((3, 12, 0, 1, 9), r"max_new_tokens\[2\]=0 outside \[1, "
+                                           r"config.max_new_tokens=12\]"),
+                        (13, r"max_new_tokens\[0\]=13 outside"),
+                        ((3.0, 1, 1, 1, 1), "max_new_tokens must be one int")]:
+        with pytest.raises(ValueError, match=match):
+            generate(model, _prompts(), _config(0.0, BIG_POOL), jax.random.key(0),
+                     max_new_tokens=caps)
+        with pytest.raises(ValueError, match=match):
+            generate_refill(model, _prompts(), _config(0.0, BIG_POOL), jax.random.key(0),
+                            slots=2, max_new_tokens=caps)

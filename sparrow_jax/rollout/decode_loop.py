@@ -94,6 +94,7 @@ class LoopState(NamedTuple):
     last: jax.Array            # [S] int32: the token the next step feeds
     response_lengths: jax.Array  # [S] int32
     finish: jax.Array          # [S] int32: FinishReason, or -1 while running
+    caps: jax.Array            # [S] int32: the row's response cap (<= R): LENGTH there
     logprobs: jax.Array        # [S, R] float32
     topk_ids: jax.Array        # [S, R, k] int32
     topk_logprobs: jax.Array   # [S, R, k] float32
@@ -129,7 +130,7 @@ def loop_specs(cache: PagedKVCache) -> LoopState:
 
 
 def sharded_cache(model_config, num_pages: int, prefill_table: jax.Array, *, page_size, dtype,
-                   scorer, mesh: Mesh) -> PagedKVCache:
+                  scorer, mesh: Mesh) -> PagedKVCache:
     """An empty cache with one pool of ``num_pages`` per row shard, created in place on the
     mesh (never whole on one device)."""
     groups = mesh.shape[ROWS[0]] * mesh.shape[ROWS[1]]
@@ -171,9 +172,9 @@ def top_k(x: jax.Array, k: int, group: int = 128) -> tuple[jax.Array, jax.Array]
 
 
 def emit(state: LoopState, hidden: jax.Array, head: jax.Array, budget: jax.Array,
-          settings: DecodeSettings) -> LoopState:
+         settings: DecodeSettings) -> LoopState:
     """Samples each active row's next token from ``hidden [S, D]``, records it, and marks rows
-    that finish (EOS, a stop sequence, or the response capacity)."""
+    that finish (EOS, a stop sequence, or the row's cap)."""
     s, t = state.tokens.shape
     r = state.logprobs.shape[1]
     rows = jnp.arange(s)
@@ -200,7 +201,8 @@ def emit(state: LoopState, hidden: jax.Array, head: jax.Array, budget: jax.Array
     if settings.eos_ids:
         eos = jnp.isin(token, jnp.asarray(settings.eos_ids, jnp.int32))
         finish = jnp.where(active & eos, int(FinishReason.EOS), finish)
-    finish = jnp.where((finish == UNFINISHED) & (length >= r), int(FinishReason.LENGTH), finish)
+    finish = jnp.where((finish == UNFINISHED) & (length >= state.caps), int(FinishReason.LENGTH),
+                       finish)
     return state._replace(
         tokens=tokens, last=jnp.where(active, token, state.last), response_lengths=length,
         finish=finish,
@@ -224,15 +226,18 @@ def _head_axis(settings: DecodeSettings) -> str | None:
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "response_capacity"),
                    donate_argnames=("cache",))
-def start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index,
-           copy_src, copy_dst, streams, live, *, settings: DecodeSettings,
-           response_capacity: int) -> LoopState:
+def start(graphdef, params, cache, prompt_tokens, prompt_lengths, prompt_caps, page_table,
+          prompt_index, copy_src, copy_dst, streams, live, *, settings: DecodeSettings,
+          response_capacity: int) -> LoopState:
     """Prefill the prompts, fork the samples onto the prompts' pages, sample the first token
-    (budget 0: prefill attends densely). Per row: ``streams [S]`` the random streams, ``live
-    [S]`` False for placeholder rows (finished at once). Under a mesh, per row shard."""
+    (budget 0: prefill attends densely). Per prompt: ``prompt_tokens [Np, Tp]``,
+    ``prompt_lengths [Np]``, ``prompt_caps [Np]`` (its rows' response caps, at most
+    ``response_capacity``). Per row: ``page_table [S, M]``, ``prompt_index [S]`` (the row's
+    prompt), ``streams [S]`` the random streams, ``live [S]`` False for placeholder rows
+    (finished at once). Under a mesh, per row shard."""
 
-    def body(params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index, copy_src,
-             copy_dst, streams, live):
+    def body(params, cache, prompt_tokens, prompt_lengths, prompt_caps, page_table, prompt_index,
+             copy_src, copy_dst, streams, live):
         model = nnx.merge(graphdef, params)
         hidden, cache = prefill(model, cache, prompt_tokens, prompt_lengths,
                                 chunk_size=settings.prefill_chunk, lora=settings.lora,
@@ -244,27 +249,27 @@ def start(graphdef, params, cache, prompt_tokens, prompt_lengths, page_table, pr
         state = LoopState(
             cache=cache, tokens=tokens, prompt_lengths=prompt_lengths[prompt_index],
             last=jnp.zeros((s,), jnp.int32), response_lengths=jnp.zeros((s,), jnp.int32),
-            finish=jnp.full((s,), UNFINISHED, jnp.int32),
+            finish=jnp.full((s,), UNFINISHED, jnp.int32), caps=prompt_caps[prompt_index],
             logprobs=jnp.zeros((s, r), jnp.float32), topk_ids=jnp.zeros((s, r, k), jnp.int32),
             topk_logprobs=jnp.full((s, r, k), -jnp.inf, jnp.float32),
             budgets=jnp.zeros((s, r), jnp.int32), streams=streams)
         state = emit(state, hidden[prompt_index], model.head_weight(),
-                      jnp.zeros((s,), jnp.int32), settings)
+                     jnp.zeros((s,), jnp.int32), settings)
         return state._replace(finish=jnp.where(live, state.finish, int(FinishReason.LENGTH)))
 
     rows = PartitionSpec(ROWS)
     mesh = settings.mesh
-    in_specs = None if mesh is None else (PartitionSpec(), cache_specs(cache)) + (rows,) * 8
+    in_specs = None if mesh is None else (PartitionSpec(), cache_specs(cache)) + (rows,) * 9
     out_specs = None if mesh is None else loop_specs(cache)   # fork keeps the cache's fields
     return _on_mesh(body, mesh, in_specs, out_specs)(
-        params, cache, prompt_tokens, prompt_lengths, page_table, prompt_index, copy_src,
-        copy_dst, streams, live)
+        params, cache, prompt_tokens, prompt_lengths, prompt_caps, page_table, prompt_index,
+        copy_src, copy_dst, streams, live)
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps", "settings"),
                    donate_argnames=("state",))
 def run_chunk(graphdef, params, state: LoopState, budget_values: jax.Array, num_steps: int,
-               *, settings: DecodeSettings) -> tuple[LoopState, jax.Array]:
+              *, settings: DecodeSettings) -> tuple[LoopState, jax.Array]:
     """Up to ``num_steps`` decode steps, fewer if every row finishes -> (state, any running).
     ``budget_values [bins]``: the schedule's values (:func:`~sparrow_jax.rollout.budget.
     split_schedule`; empty when dense). Under a mesh each row shard runs its own loop (no

@@ -47,7 +47,8 @@ class RolloutConfig:
     """The knobs of :func:`generate`.
 
     n: samples per prompt (adjacent rows of the result; they share the prompt's pages).
-    max_new_tokens: response capacity R (EOS and stop tokens included).
+    max_new_tokens: response capacity R (EOS and stop tokens included); ``generate`` may cap
+      prompts lower (its ``max_new_tokens``).
     temperature, top_p, top_k: sampling (temperature 0: greedy). Recorded log-probs are always
       those of the untruncated ``softmax(logits / T)`` (T = 1 when greedy).
     eos_ids: tokens that end a response (Qwen3 has two; see ``load_generation_config``).
@@ -149,7 +150,8 @@ class RolloutConfig:
 def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
              schedule: BudgetSchedule | None = None, *, lora: bool = False,
              prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
-             schedule_bound: BudgetSchedule | None = None) -> Rollout:
+             schedule_bound: BudgetSchedule | None = None,
+             max_new_tokens: int | Sequence[int] | None = None) -> Rollout:
     """Samples ``config.n`` responses to each of ``prompts`` (token id lists of any lengths, no
     padding) -> :class:`~sparrow_jax.rollout.types.Rollout` (rows ``i*n .. i*n+n-1`` answer
     prompt i).
@@ -158,6 +160,11 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     token included); None decodes densely. ``lora``: run the actor with its LoRA adapters
     (DistillSparse's sparse actor). Raises before any device work when the pool cannot hold the
     request.
+
+    ``max_new_tokens``: each prompt's response cap (a sequence, one per prompt, or one int),
+    each in ``[1, config.max_new_tokens]``; a row stops at its prompt's cap (finish reason
+    LENGTH) and gets pages for it alone. The result keeps the width ``config.max_new_tokens``
+    (one compilation for any caps). None: every prompt ``config.max_new_tokens``.
 
     The schedule's values are an argument of the jitted decode loop, its shape (bin count and
     width, kind) and ``schedule_bound`` static (:mod:`sparrow_jax.rollout.budget`): a caller that
@@ -184,9 +191,9 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     those of the call without a mesh (same streams), up to float rounding in the logits.
     """
     batch = plan_batch(model, prompts, config, schedule, lora=lora, prompt_ids=prompt_ids,
-                       mesh=mesh, schedule_bound=schedule_bound)
+                       mesh=mesh, schedule_bound=schedule_bound, max_new_tokens=max_new_tokens)
     graphdef, params = model_params(model, mesh)
-    bar = _progress(config, batch.num_rows * config.max_new_tokens)
+    bar = _progress(config, int(batch.layout.prompt_caps.sum()) * config.n)
     t0 = time.perf_counter()
     state = start_batch(batch, graphdef, params, key)
     running = bool(jnp.any(state.active))
@@ -249,7 +256,8 @@ class DecodeBatch:
 def plan_batch(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
                schedule: BudgetSchedule | None = None, *, lora: bool = False,
                prompt_ids: Sequence[int] | None = None, mesh: Mesh | None = None,
-               schedule_bound: BudgetSchedule | None = None) -> DecodeBatch:
+               schedule_bound: BudgetSchedule | None = None,
+               max_new_tokens: int | Sequence[int] | None = None) -> DecodeBatch:
     """Checks a :func:`generate` call's arguments (ValueError naming the bad one) and plans its
     batch: page pool, tables, padded prompts, settings. No device work."""
     cfg = model.config
@@ -279,9 +287,10 @@ def plan_batch(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
                          f"{config.page_size}")
     if mesh is not None:
         _check_mesh(mesh, cfg)
+    caps = prompt_caps(max_new_tokens, len(prompts), config)
 
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
-    lay = _layout(prompts, config, cfg, cache_dtype, mesh)
+    lay = _layout(prompts, caps, config, cfg, cache_dtype, mesh)
     width = lay.page_table.shape[1]
     shape, values, bound = runtime_schedule(schedule, schedule_bound, width)
     settings = DecodeSettings.from_config(config, cfg.vocab_size, shape, lora=lora, mesh=mesh)
@@ -323,9 +332,9 @@ def start_batch(batch: DecodeBatch, graphdef, params, key: jax.Array) -> LoopSta
         # donated buffers go unused; the pages themselves are reused in place.
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         return start(graphdef, params, cache, put(lay.prompt_tokens), put(lay.prompt_lengths),
-                     put(lay.page_table), put(lay.prompt_index), put(lay.copy_src),
-                     put(lay.copy_dst), streams, put(lay.live), settings=batch.settings,
-                     response_capacity=config.max_new_tokens)
+                     put(lay.prompt_caps), put(lay.page_table), put(lay.prompt_index),
+                     put(lay.copy_src), put(lay.copy_dst), streams, put(lay.live),
+                     settings=batch.settings, response_capacity=config.max_new_tokens)
 
 
 def decode_chunk(batch: DecodeBatch, graphdef, params, state: LoopState, *,
@@ -377,6 +386,7 @@ class BatchLayout(NamedTuple):
     num_pages: int               # pages per group's pool (its null page included)
     prompt_tokens: np.ndarray    # [Np, Tp] int32, right padded
     prompt_lengths: np.ndarray   # [Np] int32
+    prompt_caps: np.ndarray      # [Np] int32: response caps (placeholders 0)
     prefill_table: np.ndarray    # [Np, M] int32
     page_table: np.ndarray       # [S, M] int32
     prompt_index: np.ndarray     # [S] int32: the row's prompt within its group
@@ -387,14 +397,15 @@ class BatchLayout(NamedTuple):
     live: np.ndarray             # [S] bool: False on placeholder rows
 
 
-def _layout(prompts, config: RolloutConfig, model_config, cache_dtype, mesh) -> BatchLayout:
+def _layout(prompts, caps, config: RolloutConfig, model_config, cache_dtype,
+            mesh) -> BatchLayout:
     groups = 1 if mesh is None else mesh.shape[ROWS[0]] * mesh.shape[ROWS[1]]
     n, p, r = config.n, config.page_size, config.max_new_tokens
     k = -(-len(prompts) // groups)
     lengths = np.ones(groups * k, np.int32)
     lengths[:len(prompts)] = [len(x) for x in prompts]
     max_new = np.zeros(groups * k, np.int32)
-    max_new[:len(prompts)] = r
+    max_new[:len(prompts)] = caps
     tokens = np.zeros((groups * k, prompt_width(lengths, config)), np.int32)
     for i, x in enumerate(prompts):
         tokens[i, :len(x)] = x
@@ -418,7 +429,7 @@ def _layout(prompts, config: RolloutConfig, model_config, cache_dtype, mesh) -> 
     prompt_index = np.concatenate([a.prompt_index for a in allocs])
     slots = np.repeat(np.arange(groups * k, dtype=np.int32), n)
     return BatchLayout(
-        num_pages=num_pages, prompt_tokens=tokens, prompt_lengths=lengths,
+        num_pages=num_pages, prompt_tokens=tokens, prompt_lengths=lengths, prompt_caps=max_new,
         prefill_table=np.concatenate([a.prefill_page_table for a in allocs]),
         page_table=np.concatenate([a.page_table for a in allocs]), prompt_index=prompt_index,
         copy_src=copies("copy_src"), copy_dst=copies("copy_dst"), slots=slots,
@@ -468,6 +479,26 @@ def _round_up(x: int, multiple: int) -> int:
     return -(-x // multiple) * multiple
 
 
+def prompt_caps(max_new_tokens: int | Sequence[int] | None, num_prompts: int,
+                config: RolloutConfig) -> np.ndarray:
+    """Each prompt's response cap ``[num_prompts]`` int32 from ``max_new_tokens`` (None, one
+    int, or one per prompt), each checked to lie in ``[1, config.max_new_tokens]``."""
+    r = config.max_new_tokens
+    if max_new_tokens is None:
+        return np.full(num_prompts, r, np.int32)
+    caps = np.asarray(max_new_tokens)
+    if caps.ndim == 0:
+        caps = np.full(num_prompts, caps)
+    if caps.shape != (num_prompts,) or not np.issubdtype(caps.dtype, np.integer):
+        raise ValueError(f"max_new_tokens must be one int or {num_prompts} ints (one per "
+                         f"prompt), got {np.asarray(max_new_tokens).tolist()!r}")
+    bad = np.flatnonzero((caps < 1) | (caps > r))
+    if bad.size:
+        raise ValueError(f"max_new_tokens[{bad[0]}]={caps[bad[0]]} outside [1, "
+                         f"config.max_new_tokens={r}]")
+    return caps.astype(np.int32)
+
+
 def prompt_width(prompt_lengths, config: RolloutConfig) -> int:
     """The padded prompt length of a batch: the longest prompt rounded up to
     ``config.prompt_multiple`` (bounds recompilation)."""
@@ -483,5 +514,5 @@ def _progress(config: RolloutConfig, total: int):
 
 
 __all__ = ["RolloutConfig", "generate", "plan_batch", "DecodeBatch", "BatchLayout", "model_params",
-           "start_batch", "decode_chunk", "read_out", "prompt_width", "pool_size",
+           "start_batch", "decode_chunk", "read_out", "prompt_caps", "prompt_width", "pool_size",
            "pages_in_free_memory"]

@@ -43,7 +43,7 @@ from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
 from sparrow_jax.rollout.decode_loop import (UNFINISHED, DecodeSettings, LoopState, run_chunk,
                                              start, table_width)
-from sparrow_jax.rollout.engine import RolloutConfig, pool_size, prompt_width
+from sparrow_jax.rollout.engine import RolloutConfig, pool_size, prompt_caps, prompt_width
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
@@ -93,7 +93,8 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
                     key: jax.Array, schedule: BudgetSchedule | None = None, *, slots: int,
                     prefill_rows: int | None = None, lora: bool = False,
                     prompt_ids: Sequence[int] | None = None,
-                    schedule_bound: BudgetSchedule | None = None) -> Rollout:
+                    schedule_bound: BudgetSchedule | None = None,
+                    max_new_tokens: int | Sequence[int] | None = None) -> Rollout:
     """:func:`~sparrow_jax.rollout.engine.generate` with ``slots`` decode slots refilled as rows
     finish, pages allocated as rows grow from a pool of ``config.num_pages`` (sized as
     :func:`~sparrow_jax.rollout.engine.pool_size` says). Same arguments and result layout (rows
@@ -101,17 +102,20 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
 
     ``prefill_rows``: the rows one admission prefills, the newcomers padded to it (one
     compilation); None: the next power of two of the newcomers, at most ``slots`` (less padded
-    work, a compilation per power). ``schedule_bound``: as in ``generate``."""
+    work, a compilation per power). ``schedule_bound``, ``max_new_tokens`` (per-prompt caps):
+    as in ``generate``; a row's pages grow up to its own cap."""
     return run_refill(model, prompts, config, key, schedule, slots=slots,
                       prefill_rows=prefill_rows, lora=lora, prompt_ids=prompt_ids,
-                      schedule_bound=schedule_bound)[0]
+                      schedule_bound=schedule_bound, max_new_tokens=max_new_tokens)[0]
 
 
 def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
                schedule: BudgetSchedule | None = None, *, slots: int,
                prefill_rows: int | None = None, lora: bool = False,
                prompt_ids: Sequence[int] | None = None,
-               schedule_bound: BudgetSchedule | None = None) -> tuple[Rollout, RefillStats]:
+               schedule_bound: BudgetSchedule | None = None,
+               max_new_tokens: int | Sequence[int] | None = None
+               ) -> tuple[Rollout, RefillStats]:
     """:func:`generate_refill` -> (rollout, :class:`RefillStats`)."""
     cfg = model.config
     prompts = [list(p) for p in prompts]
@@ -133,12 +137,13 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         raise ValueError(f"prompt_ids must be {len(prompts)} ints in [0, 2**31), got "
                          f"{ids.tolist()}")
     ids = ids.astype(np.int32)
+    caps = prompt_caps(max_new_tokens, len(prompts), config)
 
     p, r, n, c = config.page_size, config.max_new_tokens, config.n, config.steps_per_call
     lengths = np.array([len(x) for x in prompts], np.int32)
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
-    num_pages = pool_size(config, cfg, lengths, cache_dtype)
-    one = pages_needed(lengths, 1, r, p)
+    num_pages = pool_size(config, cfg, lengths, cache_dtype, max_new_tokens=caps)
+    one = pages_needed(lengths, 1, caps, p)
     if one.max() > num_pages - 1:
         raise ValueError(f"generate_refill: num_pages={num_pages} cannot hold one sample of "
                          f"prompt {int(one.argmax())} ({int(one.max())} pages + the null page)")
@@ -163,7 +168,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     peak = 0
 
     def cap_pages(slot: _Slot) -> int:
-        return -(-(int(lengths[slot.prompt]) + r) // p)
+        return -(-(int(lengths[slot.prompt]) + int(caps[slot.prompt])) // p)
 
     def growth(slot: _Slot) -> int:
         # The next chunk writes positions cache_length .. cache_length + c - 1.
@@ -195,7 +200,8 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                 h.pages += more
 
         state = _admit_pending(state, queue, held, table, alloc, counters, graphdef, params,
-                               tokens, lengths, ids, key, settings, config, width, prefill_rows)
+                               tokens, lengths, caps, ids, key, settings, config, width,
+                               prefill_rows)
         peak = max(peak, alloc.num_usable - alloc.num_free)
         if all(h is None for h in held):
             raise RuntimeError("generate_refill: no sample could be admitted into an empty pool")
@@ -232,12 +238,13 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
 
 
 def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAllocator, counters,
-                   graphdef, params, tokens, lengths, ids, key, settings: DecodeSettings,
-                   config: RolloutConfig, width: int, prefill_rows: int | None) -> LoopState:
+                   graphdef, params, tokens, lengths, caps, ids, key,
+                   settings: DecodeSettings, config: RolloutConfig, width: int,
+                   prefill_rows: int | None) -> LoopState:
     """Admits queued samples in order while a slot is free and the pool holds their prompt pages
     and first chunk; prefills them (one call) and scatters them into their slots."""
     p, r, c = config.page_size, config.max_new_tokens, config.steps_per_call
-    first = min(c, r)
+    first = np.minimum(c, caps)      # [N] tokens each prompt's first chunk may write
     free_slots = [s for s, h in enumerate(held) if h is None]
     groups: list[list] = []          # [prompt, samples]
     # Keep back the pages the running rows take in the next chunk, so that newcomers are not
@@ -248,9 +255,9 @@ def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAlloc
     while queue and taken < min(len(free_slots), prefill_rows or len(free_slots)):
         i, j = queue[0]
         new_group = not groups or groups[-1][0] != i
-        cost = int(pages_needed(lengths[i], 1 if new_group else 2, first, p)[0])
+        cost = int(pages_needed(lengths[i], 1 if new_group else 2, first[i], p)[0])
         if not new_group:   # one more sample of the last group: its own pages only
-            cost -= int(pages_needed(lengths[i], 1, first, p)[0])
+            cost -= int(pages_needed(lengths[i], 1, first[i], p)[0])
         if cost > budget:
             break
         budget -= cost
@@ -266,7 +273,7 @@ def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAlloc
     k = min(1 << (taken - 1).bit_length(), len(held)) if prefill_rows is None else prefill_rows
     prompts = [g[0] for g in groups]
     counts = [len(g[1]) for g in groups]
-    a = alloc.allocate(lengths[prompts], counts, first, max_pages_per_seq=width)
+    a = alloc.allocate(lengths[prompts], counts, first[prompts], max_pages_per_seq=width)
     prefill_table = np.full((k, width), NULL_PAGE, np.int32)
     prefill_table[:len(prompts)] = a.prefill_page_table
     row_table = np.full((k, width), NULL_PAGE, np.int32)
@@ -277,6 +284,8 @@ def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAlloc
     prompt_tokens[:len(prompts)] = tokens[prompts]
     prompt_lengths = np.ones(k, np.int32)
     prompt_lengths[:len(prompts)] = lengths[prompts]
+    new_caps = np.ones(k, np.int32)
+    new_caps[:len(prompts)] = caps[prompts]
     copy_src = np.full(k, NULL_PAGE, np.int32)
     copy_dst = np.full(k, NULL_PAGE, np.int32)
     copy_src[:len(a.copy_src)] = a.copy_src
@@ -295,16 +304,16 @@ def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAlloc
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
         new = start(graphdef, params, cache, jnp.asarray(prompt_tokens),
-                     jnp.asarray(prompt_lengths), jnp.asarray(row_table),
-                     jnp.asarray(prompt_index), jnp.asarray(copy_src), jnp.asarray(copy_dst),
-                     stream_keys(key, stream_prompts, stream_samples), jnp.asarray(live),
-                     settings=settings, response_capacity=r)
+                    jnp.asarray(prompt_lengths), jnp.asarray(new_caps), jnp.asarray(row_table),
+                    jnp.asarray(prompt_index), jnp.asarray(copy_src), jnp.asarray(copy_dst),
+                    stream_keys(key, stream_prompts, stream_samples), jnp.asarray(live),
+                    settings=settings, response_capacity=r)
     state = _admit(state._replace(cache=state.cache.replace(
         k_pages=new.cache.k_pages, v_pages=new.cache.v_pages, centroids=new.cache.centroids,
         kmin=new.cache.kmin, kmax=new.cache.kmax)), new._replace(cache=_rows_of(new.cache)),
         jnp.asarray(dst))
 
-    pages = -(-(lengths[prompts] + first) // p)
+    pages = -(-(lengths[prompts] + first[prompts]) // p)
     for row, ((i, j), s) in enumerate(zip(samples, free_slots)):
         counters["order"] += 1
         held[s] = _Slot(prompt=i, sample=j, seq_id=int(a.seq_ids[row]), order=counters["order"],
@@ -380,6 +389,7 @@ def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, k
         prompt_lengths=jnp.ones((slots,), jnp.int32), last=jnp.zeros((slots,), jnp.int32),
         response_lengths=jnp.zeros((slots,), jnp.int32),
         finish=jnp.full((slots,), int(FinishReason.LENGTH), jnp.int32),
+        caps=jnp.zeros((slots,), jnp.int32),
         logprobs=jnp.zeros((slots, r), jnp.float32),
         topk_ids=jnp.zeros((slots, r, k), jnp.int32),
         topk_logprobs=jnp.full((slots, r, k), -jnp.inf, jnp.float32),

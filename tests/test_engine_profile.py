@@ -1,0 +1,43 @@
+"""Fixed-context profiling (sparrow_jax/rollout/profile.py): rows put at a context run the
+engine's chunk from there, at the table and gather widths worked out here by hand."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import pytest
+
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.rollout.engine import RolloutConfig
+from sparrow_jax.rollout.profile import at_context, fixed_context_batch, time_context
+from sparrow_jax.schedule import BudgetSchedule
+
+P = 4
+CFG = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+
+
+def test_time_context_runs_the_engine_chunk_at_the_context():
+    model = init_model(CFG, seed=0)
+    config = RolloutConfig(n=2, max_new_tokens=40, page_size=P, prompt_multiple=16,
+                           steps_per_call=4, dense_layers=(0,), table_bucket_pages=1)
+    batch, graphdef, params, state = fixed_context_batch(
+        model, config, rows=4, prompt_len=5, key=jax.random.key(0),
+        schedule=BudgetSchedule.fixed(5, page_size=P))
+    assert np.abs(np.asarray(state.cache.k_pages[1])).max() > 0     # the pool was filled
+    put = at_context(state, 13)
+    np.testing.assert_array_equal(np.asarray(put.cache.lengths), [13] * 4)
+    np.testing.assert_array_equal(np.asarray(put.response_lengths), [13 - 5 + 1] * 4)
+    assert bool(np.all(np.asarray(put.active)))
+
+    state, timing = time_context(batch, graphdef, params, put, 20, repeats=2)
+    # Two chunks of 4 steps, mean context 20: from 16 to 24 tokens; the call reaches 25 tokens
+    # = 7 pages -> a table of 8 columns (of the full ceil((16 + 40) / 4) = 14); gathers 5.
+    np.testing.assert_array_equal(np.asarray(state.cache.lengths), [24] * 4)
+    assert timing.mean_context == 20 and timing.table_width == 8
+    assert timing.gather_width == 5 and len(timing.step_seconds) == 2
+    assert all(t > 0 for t in timing.step_seconds)
+    # A chunk that did not advance the rows is reported.
+    with pytest.raises(RuntimeError, match="rows stopped"):
+        time_context(batch, graphdef, params, state, 20, repeats=1, run=lambda st, reach: st)
