@@ -32,13 +32,19 @@ centroids of the scored pages plus its budget's pages of K and V. Floor = bytes 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_rollout.py \
         --phase profile --out $OUT/rollout_profile.json
 
-CPU smoke test (tiny shapes): ``--model tiny --dtype float32 --contexts 40 80 --max-new 128
---batch 2 --steps 8``.
+* ``refill``: refill vs the static engine on a length mix (``--rows`` prompts capped by
+  ``--length-mix``, static batches of ``--batch``, ``--slots`` refill slots, the same pool); see
+  :func:`phase_refill`.
+
+CPU smoke tests (tiny shapes): ``--model tiny --dtype float32 --contexts 40 80 --max-new 128
+--batch 2 --steps 8``; ``--phase refill --model tiny --dtype float32 --max-new 64 --batch 4
+--rows 8 --steps 8``.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import functools
 import json
@@ -58,7 +64,9 @@ from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.decode_loop import emit, top_k
 from sparrow_jax.rollout.engine import RolloutConfig, generate
+from sparrow_jax.rollout.length_mix import KINDS, length_mix
 from sparrow_jax.rollout.profile import fixed_context_batch, time_context
+from sparrow_jax.rollout.refill import generate_refill
 from sparrow_jax.schedule import BudgetSchedule
 from sparrow_jax.sharding import MeshConfig, make_mesh
 
@@ -360,6 +368,67 @@ def phase_check(args, model, cfg, ceiling, wbytes, out, mesh):
     out["peak_bytes"] = peak_bytes()
 
 
+def _timed(label, fn):
+    """(result, seconds without compilation, compile seconds) of ``fn()``."""
+    c0 = _compile_seconds[0]
+    t0 = time.perf_counter()
+    result = jax.block_until_ready(fn())
+    wall = time.perf_counter() - t0
+    compile_s = _compile_seconds[0] - c0
+    print(f"  {label}: {wall - compile_s:.2f} s (+{compile_s:.1f} s compile)", flush=True)
+    return result, wall - compile_s, compile_s
+
+
+def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
+    """Refill vs static on a length mix: ``--rows`` prompts (one sample each), each capped at a
+    length of ``--length-mix``; the static engine in batches of ``--batch`` prompts one after
+    the other, refill with ``--slots`` slots over all of them, both with the pool the static
+    batch needs at full length (same memory). Tokens/s = generated tokens / seconds to the last
+    row's end (compilation excluded)."""
+    del ceiling, wbytes
+    if mesh is not None or not args.batch or args.rows % args.batch:
+        raise SystemExit("--phase refill: no --mesh; --batch B with --rows a multiple of B")
+    rc0 = rollout_config(args.max_new)
+    pool = int(pages_needed(np.array([args.prompt_len]), 1, args.max_new, rc0.page_size)[0]
+               * args.batch + 1)
+    rc = dataclasses.replace(rc0, num_pages=pool)
+    caps = length_mix(args.length_mix, args.rows, args.max_new, seed=0)
+    rng = np.random.default_rng(0)
+    prompts = rng.integers(0, cfg.vocab_size, (args.rows, args.prompt_len)).tolist()
+    slots = args.slots or args.batch
+    out.update(batch=args.batch, rows=args.rows, slots=slots, num_pages=pool,
+               max_new=args.max_new, length_mix=args.length_mix,
+               caps=dict(mean=float(caps.mean()), median=float(np.median(caps)),
+                         at_cap=float(np.mean(caps == args.max_new))), modes={})
+    key = jax.random.key(3)
+    for mode in args.modes:
+        sched = schedule_for(mode)
+
+        def static():
+            outs = [generate(model, prompts[i:i + args.batch], rc, key, schedule=sched,
+                             prompt_ids=range(i, i + args.batch),
+                             max_new_tokens=caps[i:i + args.batch])
+                    for i in range(0, args.rows, args.batch)]
+            return np.concatenate([np.asarray(o.response_lengths) for o in outs])
+
+        def refill():
+            return np.asarray(generate_refill(model, prompts, rc, key, schedule=sched,
+                                              slots=slots, max_new_tokens=caps).response_lengths)
+
+        entry = {}
+        for name, fn in (("static", static), ("refill", refill)):
+            lengths, seconds, compile_s = _timed(f"{mode} {name}", fn)
+            entry[name] = dict(seconds=seconds, compile_s=compile_s,
+                               tokens=int(lengths.sum()),
+                               tokens_per_s=float(lengths.sum()) / seconds)
+            entry[name + "_lengths"] = lengths
+        same = np.array_equal(entry.pop("static_lengths"), entry.pop("refill_lengths"))
+        entry.update(same_lengths=same,
+                     speedup=entry["refill"]["tokens_per_s"] / entry["static"]["tokens_per_s"])
+        out["modes"][mode] = entry
+    out["peak_bytes"] = peak_bytes()
+
+
 # ------------------------------------------------------------------------------ report
 def report(out):
     lines = []
@@ -395,6 +464,17 @@ def report(out):
                          f"no_attention_no_head {s['no_attention_no_head']:.3f} ms "
                          f"(LM head + sampling {s['no_attention'] - s['no_attention_no_head']:.3f}"
                          f" ms); attention = step - {s['no_attention']:.3f}")
+    elif out["phase"] == "refill":
+        lines.append(f"{out['rows']} rows capped by the {out['length_mix']} mix (mean "
+                     f"{out['caps']['mean']:.0f}, median {out['caps']['median']:.0f}, "
+                     f"{100 * out['caps']['at_cap']:.0f}% at {out['max_new']}); static batches "
+                     f"of {b}, refill {out['slots']} slots; pool {out['num_pages']} pages")
+        lines.append("| mode | static tokens/s | refill tokens/s | refill/static | same lengths |")
+        lines.append("| --- | --- | --- | --- | --- |")
+        for m, e in out["modes"].items():
+            lines.append(f"| {m} | {e['static']['tokens_per_s']:.0f} | "
+                         f"{e['refill']['tokens_per_s']:.0f} | {e['speedup']:.2f} | "
+                         f"{e['same_lengths']} |")
     else:
         for m, e in out["modes"].items():
             lines.append(f"{m}: generate {out['max_new']} tokens x {b} rows in "
@@ -414,7 +494,7 @@ def report(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", choices=("profile", "check"), default="profile")
+    ap.add_argument("--phase", choices=("profile", "check", "refill"), default="profile")
     ap.add_argument("--model", default="qwen3-1.7b", help="a preset of configs/models")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--contexts", type=int, nargs="+", default=None)
@@ -442,6 +522,10 @@ def main(argv=None):
                     help="profile/check on a (data, fsdp, tensor) mesh of that many devices "
                          "(generate's mesh support; needs --batch, no --split or "
                          "--emit-breakdown)")
+    ap.add_argument("--rows", type=int, default=256, help="refill: prompts (one sample each)")
+    ap.add_argument("--slots", type=int, default=0, help="refill: decode slots (0: --batch)")
+    ap.add_argument("--length-mix", choices=KINDS, default="lognormal",
+                    help="refill: the per-prompt caps' mix")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mesh = None
@@ -477,10 +561,9 @@ def main(argv=None):
                steps=args.steps, repeats=args.repeats, mesh=args.mesh)
     t0 = time.perf_counter()
     try:
-        if args.phase == "profile":
-            phase_profile(args, model, cfg, ceiling, wbytes, out, mesh)
-        else:
-            phase_check(args, model, cfg, ceiling, wbytes, out, mesh)
+        phase = {"profile": phase_profile, "check": phase_check,
+                 "refill": phase_refill}[args.phase]
+        phase(args, model, cfg, ceiling, wbytes, out, mesh)
     finally:
         out["seconds"] = time.perf_counter() - t0
         out["compile_seconds"] = _compile_seconds[0]

@@ -15,6 +15,7 @@ the gather width, and with it the compilation, stays the same.
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,7 @@ def budget_pages(shape: BudgetShape, values: jax.Array, lengths: jax.Array) -> j
     return values[jnp.clip(lengths // shape.bin_tokens, 0, shape.bins - 1)]
 
 
+@functools.lru_cache(maxsize=256)   # asked before every decode chunk
 def gather_width(bound: BudgetSchedule, width: int) -> int:
     """The static gather width of the sparse layers for a page table ``width`` pages wide: the
     largest budget ``bound`` gives any length the table holds, capped at ``width``."""
