@@ -2,8 +2,9 @@
 rollout on every mesh.
 
 The comparison runs in a subprocess (this file run as a script) with 8 simulated CPU devices
-(``--xla_force_host_platform_device_count=8``; on a multi-device host the devices found are used
-and the meshes scale with their count). Run it directly to see the figures::
+(``--xla_force_host_platform_device_count=8``); on a multi-device host (e.g. 2 GPUs) it runs in
+the test's own process on the devices found, the meshes scaled to their count. Run it directly
+to see the figures::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
         python tests/test_engine_mesh.py 8,1,1 2,4,1 2,2,2 1,8,1
@@ -11,6 +12,8 @@ and the meshes scale with their count). Run it directly to see the figures::
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -31,6 +34,13 @@ MAX_GAP = 1e-5                # a token may differ only where the draw was this 
 
 
 def _run_script(*meshes: str) -> str:
+    """The script's printout: on a multi-device host (e.g. 2 GPUs) run here on the devices
+    found; otherwise in a subprocess on simulated CPU devices."""
+    if jax.device_count() > 1:
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main(list(meshes))
+        return out.getvalue()
     return run_on_simulated_devices(Path(__file__).resolve(), *meshes)
 
 
@@ -47,8 +57,10 @@ def test_sampled_rollout_equals_one_device_on_a_2x2x2_mesh():
 
 @pytest.mark.slow
 def test_sampled_rollout_equals_one_device_on_every_mesh():
-    out = _run_script("8,1,1", "2,4,1", "2,2,2", "1,8,1")
-    assert _checked(out) == 4 or "(cpu)" not in out, out
+    requested = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 8, 1)]
+    out = _run_script(*(",".join(map(str, m)) for m in requested))
+    devices = int(out.split()[0])   # the script's first line: "<n> devices (<platform>); ..."
+    assert _checked(out) == len(_meshes(requested, devices)), out
 
 
 def test_mesh_axes_are_checked():
@@ -68,9 +80,9 @@ def _meshes(requested: list[tuple[int, int, int]], devices: int) -> list[tuple[i
     if all(np.prod(m) == devices for m in requested):
         return requested
     d = devices
-    scaled = [(d, 1, 1), (2, d // 2, 1), (2, 2, d // 4), (1, d, 1)]
-    return [m for m in scaled if np.prod(m) == d and m[2] <= CFG.num_key_value_heads
-            and min(m) >= 1]
+    scaled = [(d, 1, 1), (2, d // 2, 1), (2, 2, d // 4), (1, d, 1), (1, d // 2, 2)]
+    return list(dict.fromkeys(m for m in scaled if np.prod(m) == d
+                              and m[2] <= CFG.num_key_value_heads and min(m) >= 1))
 
 
 def _prompts():
@@ -136,7 +148,7 @@ def _compare(ref, got, key, label: str) -> None:
         np.testing.assert_array_equal(np.asarray(got.budget_pages)[b, :j],
                                       np.asarray(ref.budget_pages)[b, :j])
         if j == R:
-            assert int(got.response_lengths[b]) == rl[b]
+            assert int(np.asarray(got.response_lengths)[b]) == rl[b]
     print(f"{label}: same tokens in {s - len(differing)}/{s} rows; differing "
           f"(row, position, gap): {differing}")
 

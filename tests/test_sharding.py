@@ -118,6 +118,10 @@ def mesh_shapes(n: int) -> list[tuple[int, int, int]]:
         shapes.append((2, n // 2, 1))
     if n % 4 == 0:
         shapes.append((n // 4, 2, 2))
+    elif n == 2:
+        # Two devices (a 2-GPU host): the tensor axis alone, so that the checkpoint, load and
+        # memory checks (on shapes[2]) run on a mesh that splits the parameters.
+        shapes.append((1, 1, 2))
     return shapes
 
 
