@@ -12,15 +12,27 @@ monitoring events of JAX time separately (``compile_s``).
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_grpo.py \
         --out $OUT/grpo.json
 
+``--length-mix lognormal`` (or ``uniform``) caps each prompt's responses at a length drawn from
+``sparrow_jax.rollout.length_mix`` (per-prompt ``max_new_tokens``, a new draw each step)
+instead of running every row to ``--max-new``. ``--schedules A B ..`` runs one trainer per
+schedule, one after the other in this process (e.g. ``paper:qwen3-1.7b dense``: the sparse vs
+dense GRPO step), and prints them side by side.
+
 ``--no-fuse`` runs the dense recompute as its own pass instead of fusing it into the first
-mini-batch's forward (docs/design.md, section 7). CPU smoke test: ``--model tiny --max-new 64
---steps 2``.
+mini-batch's forward (docs/design.md, section 7). CPU smoke test: ``--tiny`` (the tiny model,
+float32, 2 prompts x 4 samples, 64 new tokens, 2 steps).
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_grpo.py \
+        --prompts 16 --samples 8 --max-new 8192 --length-mix lognormal \
+        --schedules paper:qwen3-1.7b dense --out $OUT/grpo_mix.json
 """
 
 from __future__ import annotations
 
 import argparse
 import datetime
+import gc
+import itertools
 import json
 import statistics
 import sys
@@ -33,6 +45,7 @@ from sparrow_jax.benchmarking import peak_bytes
 from sparrow_jax.data import DataConfig
 from sparrow_jax.rl.config import ModelSpec, RolloutSettings, TrainConfig, UpdateConfig
 from sparrow_jax.rl.trainer import Trainer
+from sparrow_jax.rollout.length_mix import KINDS, length_mix
 
 _COMPILE_EVENTS = ("/jax/core/compile/jaxpr_trace_duration",
                    "/jax/core/compile/jaxpr_to_mlir_module_duration",
@@ -63,6 +76,74 @@ def schedule_spec(name: str):
     raise SystemExit(f"--schedule: paper:<model>, fixed:<pages> or dense, got {name!r}")
 
 
+def with_length_mix(rollout_fn, kind: str, cap: int, seed: int):
+    """``rollout_fn`` with each prompt's responses capped at a length of the ``kind`` mix (a new
+    draw per call)."""
+    draws = itertools.count(seed)
+
+    def capped(model, prompts, key, n, **extra):
+        caps = length_mix(kind, len(prompts), cap, seed=next(draws))
+        return rollout_fn(model, prompts, key, n, max_new_tokens=caps, **extra)
+
+    return capped
+
+
+def run_schedule(args, schedule: str) -> dict:
+    """``args.steps`` trainer steps with ``schedule`` -> the figures of every step and their
+    mean after the first (compiling) one."""
+    # A fresh folder per run (a run folder refuses another run), under --run-dir if given.
+    run_dir = tempfile.mkdtemp(prefix=f"bench_grpo_{schedule.replace(':', '-')}_",
+                               dir=args.run_dir)
+    config = TrainConfig(
+        run_dir=run_dir, steps=args.steps,
+        model=ModelSpec(preset=args.model, dtype=args.dtype),
+        data=DataConfig(task="needle", prompts_per_step=args.prompts),
+        rollout=RolloutSettings(samples_per_prompt=args.samples, max_new_tokens=args.max_new,
+                                temperature=1.0, eos_ids=()),
+        schedule=schedule_spec(schedule),
+        update=UpdateConfig(micro_batch_size=args.micro_batch, fuse_recompute=args.fuse),
+        checkpoint_every=10 ** 6, tensorboard=False, progress=False)
+    print(f"{args.model}, {args.prompts} x {args.samples} rows, {args.max_new} new tokens "
+          f"(length mix {args.length_mix}), schedule {schedule}, fuse_recompute={args.fuse}",
+          flush=True)
+    t0 = time.perf_counter()
+    c0 = _compile_seconds[0]
+    trainer = Trainer(config)
+    if args.length_mix != "none":
+        trainer.rollout_fn = with_length_mix(trainer.rollout_fn, args.length_mix, args.max_new,
+                                             args.seed)
+    out = dict(schedule=schedule, setup_s=time.perf_counter() - t0,
+               setup_compile_s=_compile_seconds[0] - c0, steps=[])
+    rows = args.prompts * args.samples
+    for step in range(args.steps):
+        c0 = _compile_seconds[0]
+        t0 = time.perf_counter()
+        metrics = trainer.train_step()
+        wall = time.perf_counter() - t0
+        row = {k: metrics.get(k) for k in KEYS}
+        row.update(step=step, wall_s=wall, compile_s=_compile_seconds[0] - c0,
+                   response_tokens=metrics["response_length_mean"] * rows,
+                   peak_bytes=peak_bytes())
+        out["steps"].append(row)
+        print(f"step {step}: rollout {row['time_rollout']:.2f} s, recompute "
+              f"{row['time_recompute']:.2f} s, update {row['time_update']:.2f} s, wall "
+              f"{wall:.2f} s (compile {row['compile_s']:.1f} s), rollout "
+              f"{row['tokens_per_s']:.0f} tokens/s, mean response "
+              f"{row['response_length_mean']:.0f}, sparse steps "
+              f"{row['sparse_step_fraction']:.2f}, alpha(paper) "
+              f"{row['alpha_paper_mean']:.3f}", flush=True)
+        with open(f"{run_dir}/bench_metrics.jsonl", "a") as f:
+            f.write(json.dumps(row) + "\n")
+    timed = [r for r in out["steps"] if r["step"] > 0] or out["steps"]
+    mean = {k: statistics.mean(r[k] for r in timed)
+            for k in ("time_rollout", "time_recompute", "time_update", "wall_s", "tokens_per_s",
+                      "response_tokens")}
+    mean["step_tokens_per_s"] = mean["response_tokens"] / mean["wall_s"]
+    out["mean_after_first"] = mean
+    out["peak_bytes"] = peak_bytes()
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -71,79 +152,56 @@ def main(argv=None):
     ap.add_argument("--samples", type=int, default=8, help="samples per prompt")
     ap.add_argument("--max-new", type=int, default=8192)
     ap.add_argument("--steps", type=int, default=3)
-    ap.add_argument("--schedule", default="paper:qwen3-1.7b")
+    ap.add_argument("--schedules", nargs="+", default=["paper:qwen3-1.7b"],
+                    help="paper:<model>, fixed:<pages> or dense; one trainer each")
+    ap.add_argument("--length-mix", choices=("none",) + KINDS, default="none",
+                    help="per-prompt response caps drawn from this mix (none: all --max-new)")
+    ap.add_argument("--seed", type=int, default=0, help="the length mix's first seed")
     ap.add_argument("--micro-batch", type=int, default=8)
     ap.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
                     help="fuse the dense recompute into the first mini-batch's forward")
     ap.add_argument("--dtype", default="bfloat16", help="compute dtype (float32 on CPU)")
-    ap.add_argument("--run-dir", default=None)
+    ap.add_argument("--tiny", action="store_true",
+                    help="CPU smoke test: the tiny model, float32, 2 x 4 rows, 64 tokens, 2 steps")
+    ap.add_argument("--run-dir", default=None, help="folder for the runs' folders (default: "
+                    "the system's temporary folder)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
+    if args.tiny:
+        args.model, args.dtype, args.prompts, args.samples = "tiny", "float32", 2, 4
+        args.max_new, args.steps, args.micro_batch = 64, 2, 4
 
-    run_dir = args.run_dir or tempfile.mkdtemp(prefix="bench_grpo_")
-    config = TrainConfig(
-        run_dir=run_dir, steps=args.steps,
-        model=ModelSpec(preset=args.model, dtype=args.dtype),
-        data=DataConfig(task="needle", prompts_per_step=args.prompts),
-        rollout=RolloutSettings(samples_per_prompt=args.samples, max_new_tokens=args.max_new,
-                                temperature=1.0, eos_ids=()),
-        schedule=schedule_spec(args.schedule),
-        update=UpdateConfig(micro_batch_size=args.micro_batch, fuse_recompute=args.fuse),
-        checkpoint_every=10 ** 6, tensorboard=False, progress=False)
     dev = jax.devices()[0]
-    print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}; "
-          f"{args.model}, {args.prompts} x {args.samples} rows, {args.max_new} new tokens, "
-          f"schedule {args.schedule}, fuse_recompute={args.fuse}", flush=True)
-    t0 = time.perf_counter()
-    c0 = _compile_seconds[0]
-    trainer = Trainer(config)
-    setup_s = time.perf_counter() - t0
+    print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}",
+          flush=True)
     out = dict(argv=sys.argv[1:], device=dev.device_kind, backend=jax.default_backend(),
                jax=jax.__version__, date=datetime.date.today().isoformat(), model=args.model,
-               rows=args.prompts * args.samples, max_new=args.max_new, schedule=args.schedule,
-               fuse_recompute=args.fuse, micro_batch=args.micro_batch, setup_s=setup_s,
-               setup_compile_s=_compile_seconds[0] - c0, steps=[])
+               rows=args.prompts * args.samples, max_new=args.max_new,
+               length_mix=args.length_mix, fuse_recompute=args.fuse,
+               micro_batch=args.micro_batch, runs=[])
     try:
-        for step in range(args.steps):
-            c0 = _compile_seconds[0]
-            t0 = time.perf_counter()
-            metrics = trainer.train_step()
-            wall = time.perf_counter() - t0
-            row = {k: metrics.get(k) for k in KEYS}
-            row.update(step=step, wall_s=wall, compile_s=_compile_seconds[0] - c0,
-                       response_tokens=metrics["response_length_mean"] * out["rows"],
-                       peak_bytes=peak_bytes())
-            out["steps"].append(row)
-            print(f"step {step}: rollout {row['time_rollout']:.2f} s, recompute "
-                  f"{row['time_recompute']:.2f} s, update {row['time_update']:.2f} s, wall "
-                  f"{wall:.2f} s (compile {row['compile_s']:.1f} s), rollout "
-                  f"{row['tokens_per_s']:.0f} tokens/s, sparse steps "
-                  f"{row['sparse_step_fraction']:.2f}, alpha(paper) "
-                  f"{row['alpha_paper_mean']:.3f}", flush=True)
-            with open(f"{run_dir}/bench_metrics.jsonl", "a") as f:
-                f.write(json.dumps(row) + "\n")
+        for schedule in args.schedules:
+            out["runs"].append(run_schedule(args, schedule))
+            gc.collect()   # the previous trainer's weights and optimizer state
     finally:
-        timed = [r for r in out["steps"] if r["step"] > 0] or out["steps"]
-        if timed:
-            mean = {k: statistics.mean(r[k] for r in timed)
-                    for k in ("time_rollout", "time_recompute", "time_update", "wall_s",
-                              "tokens_per_s", "response_tokens")}
-            mean["step_tokens_per_s"] = mean["response_tokens"] / mean["wall_s"]
-            out["mean_after_first"] = mean
-        out["peak_bytes"] = peak_bytes()
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    m = out["mean_after_first"]
-    print(f"\n{args.model}, {out['rows']} rows x {args.max_new} tokens, {args.schedule}, "
-          f"fuse_recompute={args.fuse}; mean of steps 1..{args.steps - 1}:")
-    print("| rollout s | recompute s | update s | step wall s | rollout tokens/s | "
-          "step tokens/s |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    print(f"| {m['time_rollout']:.2f} | {m['time_recompute']:.2f} | {m['time_update']:.2f} | "
-          f"{m['wall_s']:.2f} | {m['tokens_per_s']:.0f} | {m['step_tokens_per_s']:.0f} |")
-    if out["peak_bytes"]:
-        print(f"peak device memory {out['peak_bytes'] / 2**30:.2f} GiB")
+    print(f"\n{args.model}, {out['rows']} rows, up to {args.max_new} tokens (length mix "
+          f"{args.length_mix}), fuse_recompute={args.fuse}; mean of steps 1..{args.steps - 1}:")
+    print("| schedule | rollout s | recompute s | update s | step wall s | rollout tokens/s | "
+          "step tokens/s | peak GiB |")
+    print("| --- | --- | --- | --- | --- | --- | --- | --- |")
+    for run in out["runs"]:
+        m = run["mean_after_first"]
+        print(f"| {run['schedule']} | {m['time_rollout']:.2f} | {m['time_recompute']:.2f} | "
+              f"{m['time_update']:.2f} | {m['wall_s']:.2f} | {m['tokens_per_s']:.0f} | "
+              f"{m['step_tokens_per_s']:.0f} | {(run['peak_bytes'] or 0) / 2**30:.2f} |")
+    walls = {run["schedule"]: run["mean_after_first"]["wall_s"] for run in out["runs"]}
+    if "dense" in walls and len(walls) > 1:
+        for name, wall in walls.items():
+            if name != "dense":
+                print(f"{name}: step wall {walls['dense'] / wall:.2f}x faster than dense")
 
 
 if __name__ == "__main__":
