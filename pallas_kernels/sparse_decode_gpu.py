@@ -54,6 +54,38 @@ def _is_pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 
 
+def check_launch_settings(tuning) -> None:
+    """The launch settings the GPU kernels share (Pallas' :class:`GpuDecodeTuning` and the
+    Triton path's): block_pages (None allowed), splits, score_chunk, warps, attend_stages."""
+    if tuning.block_pages is not None and not _is_pow2(tuning.block_pages):
+        raise ValueError(f"block_pages must be a power of two, got {tuning.block_pages}")
+    if tuning.splits is not None and tuning.splits < 1:
+        raise ValueError(f"splits must be >= 1, got {tuning.splits}")
+    if not _is_pow2(tuning.score_chunk) or tuning.score_chunk < 16:
+        raise ValueError(f"score_chunk must be a power of two >= 16, got {tuning.score_chunk}")
+    for name in ("score_warps", "select_warps", "attend_warps"):
+        w = getattr(tuning, name)
+        if not _is_pow2(w) or w > 32:
+            raise ValueError(f"{name} must be a power of two in [1, 32], got {w}")
+    if tuning.attend_stages < 1:
+        raise ValueError(f"attend_stages must be >= 1, got {tuning.attend_stages}")
+
+
+def checked_centroids(entry: str, q, k_pages, v_pages, page_table, lengths, budget_pages, *,
+                      page_size, scorer, centroids, max_budget_pages, block_pages) -> jax.Array:
+    """The checks of a GPU kernel's entry point ``entry`` (those of ``sparse_decode`` and the
+    kernels' own limits) -> the centroids, computed from the pages when None."""
+    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
+                             page_size=page_size, max_budget_pages=max_budget_pages)
+    why = kernel_limits(q.shape[-1], page_size, scorer, block_pages)
+    if why is not None:
+        raise ValueError(f"{entry}: {why}")
+    if centroids is None:
+        centroids = page_centroids(k_pages)
+    check_summary("centroids", centroids, k_pages)
+    return centroids
+
+
 @dataclasses.dataclass(frozen=True)
 class GpuDecodeTuning:
     """Settings of the GPU kernels that change speed, never the result (one static argument,
@@ -78,18 +110,7 @@ class GpuDecodeTuning:
     attend_stages: int = 1
 
     def __post_init__(self):
-        if self.block_pages is not None and not _is_pow2(self.block_pages):
-            raise ValueError(f"block_pages must be a power of two, got {self.block_pages}")
-        if self.splits is not None and self.splits < 1:
-            raise ValueError(f"splits must be >= 1, got {self.splits}")
-        if not _is_pow2(self.score_chunk) or self.score_chunk < 16:
-            raise ValueError(f"score_chunk must be a power of two >= 16, got {self.score_chunk}")
-        for name in ("score_warps", "select_warps", "attend_warps"):
-            w = getattr(self, name)
-            if not _is_pow2(w) or w > 32:
-                raise ValueError(f"{name} must be a power of two in [1, 32], got {w}")
-        if self.attend_stages < 1:
-            raise ValueError(f"attend_stages must be >= 1, got {self.attend_stages}")
+        check_launch_settings(self)
 
     def resolve(self, *, page_size: int, batch: int, kv_heads: int,
                 max_pages: int) -> GpuDecodeTuning:
@@ -309,14 +330,10 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       ``[B, Hq, D]`` in q's dtype.
     """
-    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
-                             page_size=page_size, max_budget_pages=max_budget_pages)
-    why = kernel_limits(q.shape[-1], page_size, scorer, tuning.block_pages)
-    if why is not None:
-        raise ValueError(f"sparse_decode_pallas: {why}")
-    if centroids is None:
-        centroids = page_centroids(k_pages)
-    check_summary("centroids", centroids, k_pages)
+    centroids = checked_centroids(
+        "sparse_decode_pallas", q, k_pages, v_pages, page_table, lengths, budget_pages,
+        page_size=page_size, scorer=scorer, centroids=centroids,
+        max_budget_pages=max_budget_pages, block_pages=tuning.block_pages)
     return sparse_decode_pallas_checked(
         q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_budget_pages=max_budget_pages, tuning=tuning, interpret=interpret)

@@ -26,10 +26,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_decode_gpu import (_is_pow2, _pow2, default_splits, kernel_limits,
-                                              merge_splits)
-from sparrow_jax.attention.selection import page_centroids
-from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
+from pallas_kernels.sparse_decode_gpu import (_pow2, check_launch_settings, checked_centroids,
+                                              default_splits, merge_splits)
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "
            "'sparrow-jax[triton]' (on a machine with an NVIDIA GPU)")
@@ -61,18 +59,9 @@ class TritonDecodeTuning:
     attend_stages: int = 2
 
     def __post_init__(self):
-        if not _is_pow2(self.block_pages):
-            raise ValueError(f"block_pages must be a power of two, got {self.block_pages}")
-        if self.splits is not None and self.splits < 1:
-            raise ValueError(f"splits must be >= 1, got {self.splits}")
-        if not _is_pow2(self.score_chunk) or self.score_chunk < 16:
-            raise ValueError(f"score_chunk must be a power of two >= 16, got {self.score_chunk}")
-        for name in ("score_warps", "select_warps", "attend_warps"):
-            w = getattr(self, name)
-            if not _is_pow2(w) or w > 32:
-                raise ValueError(f"{name} must be a power of two in [1, 32], got {w}")
-        if self.attend_stages < 1:
-            raise ValueError(f"attend_stages must be >= 1, got {self.attend_stages}")
+        if self.block_pages is None:
+            raise ValueError("block_pages must be a power of two, got None")
+        check_launch_settings(self)
 
 
 class Launch(NamedTuple):
@@ -139,14 +128,10 @@ def sparse_decode_triton(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     also takes the tuning settings. Arguments and result as for
     :func:`pallas_kernels.sparse_decode_gpu.sparse_decode_pallas` (the same checks and limits),
     ``tuning`` a :class:`TritonDecodeTuning`. GPU only."""
-    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
-                             page_size=page_size, max_budget_pages=max_budget_pages)
-    why = kernel_limits(q.shape[-1], page_size, scorer, tuning.block_pages)
-    if why is not None:
-        raise ValueError(f"sparse_decode_triton: {why}")
-    if centroids is None:
-        centroids = page_centroids(k_pages)
-    check_summary("centroids", centroids, k_pages)
+    centroids = checked_centroids(
+        "sparse_decode_triton", q, k_pages, v_pages, page_table, lengths, budget_pages,
+        page_size=page_size, scorer=scorer, centroids=centroids,
+        max_budget_pages=max_budget_pages, block_pages=tuning.block_pages)
     return sparse_decode_triton_checked(q, k_pages, v_pages, centroids, page_table, lengths,
                                         budget_pages, page_size=page_size,
                                         max_budget_pages=max_budget_pages, tuning=tuning)
