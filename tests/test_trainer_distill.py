@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparrow_jax.config import ConfigError, ModelConfig, from_dict, to_dict
+from sparrow_jax.config import ModelConfig, from_dict, to_dict
 from sparrow_jax.models.lora import LoRAParam, attach_lora
 from sparrow_jax.rl import trainer as trainer_mod
 from sparrow_jax.rl.config import TrainConfig
@@ -124,11 +124,6 @@ def test_actor_replay_with_and_without_lora(two_steps):
     np.testing.assert_array_equal(ids[untied], np.asarray(rollout.topk_ids)[untied])
     _, plain = actor_topk(*args, lora=False)
     assert np.abs(plain[mask] - ref_lp[mask]).max() > 1e-3
-
-
-def test_distill_on_a_mesh_is_refused(tmp_path):
-    with pytest.raises(ConfigError, match="distill.enabled=true runs on one device only"):
-        trainer_mod.Trainer(_cfg(tmp_path, mesh={"data": 1, "fsdp": -1, "tensor": 1}))
 
 
 def test_distill_is_a_result_changing_key():

@@ -31,6 +31,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from sparrow_jax import sharding
 from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
 from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.models.lora import LoRAParam
@@ -100,6 +101,20 @@ def position_budgets(budget_pages: jax.Array, prompt_lengths: jax.Array, seq_len
     return jnp.where(use, recorded, dense).astype(jnp.int32)
 
 
+def actor_hidden(model, tokens: jax.Array, prompt_lengths: jax.Array, budget_pages: jax.Array,
+                 rule: SparseRule, *, lora: bool = True) -> jax.Array:
+    """The sparse actor teacher-forced over a rollout: tokens ``[B, T]``, prompt_lengths
+    ``[B]``, budget_pages ``[B, R]`` (the rollout's) -> final hidden states ``[B, T, d]``, each
+    position attending as the decode step that fed it did; ``lora``: the adapters on."""
+    attend = make_teacher_forced_attend(page_size=rule.page_size, scorer=rule.scorer,
+                                        dense_layers=rule.dense_layers,
+                                        chunk_size=rule.query_chunk)
+    state = TeacherForcedBudgets(
+        position_budgets(budget_pages, prompt_lengths, tokens.shape[1], rule.page_size),
+        prompt_lengths)
+    return model.forward(tokens, attend=attend, state=state, lora=lora)[0]
+
+
 def student_logprobs(model, tokens: jax.Array, prompt_lengths: jax.Array,
                      budget_pages: jax.Array, *, temperature: float, rule: SparseRule,
                      chunk_size: int = 1024) -> jax.Array:
@@ -110,13 +125,7 @@ def student_logprobs(model, tokens: jax.Array, prompt_lengths: jax.Array,
     the log-probs the rollout recorded for the same weights; differentiable in the weights.
     """
     r = budget_pages.shape[1]
-    attend = make_teacher_forced_attend(page_size=rule.page_size, scorer=rule.scorer,
-                                        dense_layers=rule.dense_layers,
-                                        chunk_size=rule.query_chunk)
-    state = TeacherForcedBudgets(
-        position_budgets(budget_pages, prompt_lengths, tokens.shape[1], rule.page_size),
-        prompt_lengths)
-    hidden, _ = model.forward(tokens, attend=attend, state=state, lora=True)
+    hidden = actor_hidden(model, tokens, prompt_lengths, budget_pages, rule)
     h = response_rows(hidden, prompt_lengths, r)
     ids = response_tokens(tokens, prompt_lengths, r)
     return head_outputs(h, model.head_weight(), ids, temperature=temperature,
@@ -191,15 +200,20 @@ def _micro_grads(graphdef, lora, rest, tokens, prompt_lengths, budget_pages, mas
     model.remat = remat
     (loss, (metrics, old)), grads = nnx.value_and_grad(
         loss_fn, argnums=nnx.DiffState(0, LoRAParam), has_aux=True)(model)
-    return grads, dict(metrics, distill_loss=loss), old
+    # Under a mesh (as in rl/update.py): gradients in the adapters' layout, what the host reads
+    # replicated.
+    return (sharding.constrain_params(grads),
+            sharding.constrain_replicated(dict(metrics, distill_loss=loss)),
+            sharding.constrain_replicated(old))
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature", "rule",
                                                                    "chunk_size"))
 def _student_jit(graphdef, state, tokens, prompt_lengths, budget_pages, *, temperature, rule,
                  chunk_size):
-    return student_logprobs(nnx.merge(graphdef, state), tokens, prompt_lengths, budget_pages,
-                            temperature=temperature, rule=rule, chunk_size=chunk_size)
+    return sharding.constrain_replicated(student_logprobs(
+        nnx.merge(graphdef, state), tokens, prompt_lengths, budget_pages,
+        temperature=temperature, rule=rule, chunk_size=chunk_size))
 
 
 @jax.jit
@@ -210,7 +224,15 @@ def _add(a, b):
 @functools.partial(jax.jit, static_argnums=(0,))
 def _apply(optimizer, params, opt_state, grads):
     updates, opt_state = optimizer.update(grads, opt_state, params)
-    return optax.apply_updates(params, updates), opt_state, optax.tree.norm(grads)
+    return (sharding.constrain_params(optax.apply_updates(params, updates)), opt_state,
+            sharding.constrain_replicated(optax.tree.norm(grads)))
+
+
+def put_rows(mesh, x: np.ndarray) -> jax.Array:
+    """A host micro-batch array on the device, or on ``mesh`` with its rows split over ``data``
+    x ``fsdp`` (every process passes the whole micro-batch)."""
+    return jnp.asarray(x) if mesh is None else jax.device_put(
+        x, sharding.batch_sharding(mesh, x.shape))
 
 
 def _micro_arrays(batch: DistillBatch, logp_old: np.ndarray) -> dict[str, np.ndarray]:
@@ -224,7 +246,9 @@ def _micro_arrays(batch: DistillBatch, logp_old: np.ndarray) -> dict[str, np.nda
 
 class DistillUpdater:
     """Holds the adapter's optimizer; :meth:`update` trains ``model``'s ``LoRAParam`` leaves in
-    place (dense weights untouched), one rollout batch at a time."""
+    place (dense weights untouched), one rollout batch at a time. On a mesh (the model placed by
+    :func:`sparrow_jax.sharding.shard_model`, adapters included) the passes run under it, as
+    the GRPO update's do (:mod:`sparrow_jax.rl.update`)."""
 
     def __init__(self, config: DistillConfig, update_config: UpdateConfig,
                  policy_optim: OptimConfig, rule: SparseRule):
@@ -234,8 +258,14 @@ class DistillUpdater:
         self.optimizer = make_optimizer(config.optim(policy_optim))
 
     def init(self, model) -> Any:
-        """The AdamW state of ``model``'s adapter."""
-        return self.optimizer.init(split_lora(model)[1])
+        """The AdamW state of ``model``'s adapter, laid out like the adapter on a mesh."""
+        lora = split_lora(model)[1]
+        mesh = sharding.mesh_of(lora)
+        if mesh is None:
+            return self.optimizer.init(lora)
+        out = sharding.opt_state_shardings(self.optimizer, jax.eval_shape(
+            self.optimizer.init, lora), sharding.state_shardings(lora, mesh), mesh)
+        return jax.jit(self.optimizer.init, out_shardings=out)(lora)
 
     def student_logprobs(self, model, batch: DistillBatch, rows: np.ndarray,
                          temperature: float) -> np.ndarray:
@@ -243,6 +273,7 @@ class DistillUpdater:
         response), in length-bucketed micro-batches; no gradient."""
         cfg = self.update_config
         graphdef, state = nnx.split(model)
+        mesh = sharding.mesh_of(state)
         out = np.zeros(batch.logp_sparse.shape, np.float32)
         total = batch.prompt_lengths + batch.response_lengths
         arrays = _micro_arrays(batch, out)
@@ -250,9 +281,10 @@ class DistillUpdater:
             t_len = round_up(total[micro].max(), cfg.length_multiple)
             r_len = round_up(batch.response_lengths[micro].max(), cfg.length_multiple)
             mb = gather_rows(micro, cfg.micro_batch_size, arrays, t_len, r_len)
-            lp = _student_jit(graphdef, state, *(jnp.asarray(mb[k]) for k in (
-                "tokens", "prompt_lengths", "budget_pages")), temperature=float(temperature),
-                rule=self.rule, chunk_size=cfg.chunk_size)
+            with sharding.use_mesh(mesh):
+                lp = _student_jit(graphdef, state, *(put_rows(mesh, mb[k]) for k in (
+                    "tokens", "prompt_lengths", "budget_pages")), temperature=float(temperature),
+                    rule=self.rule, chunk_size=cfg.chunk_size)
             _fill(out, micro, np.asarray(lp), mb["mask"])
         return out
 
@@ -271,6 +303,7 @@ class DistillUpdater:
                     else np.zeros(batch.logp_sparse.shape, np.float32))
         arrays = _micro_arrays(batch, logp_old)
         graphdef, lora, rest = split_lora(model)
+        mesh = sharding.mesh_of(lora)
         total = batch.prompt_lengths + batch.response_lengths
         history = []
         for epoch, mini_batches in enumerate(plan):
@@ -284,20 +317,22 @@ class DistillUpdater:
                     t_len = round_up(total[micro].max(), cfg.length_multiple)
                     r_len = round_up(batch.response_lengths[micro].max(), cfg.length_multiple)
                     mb = gather_rows(micro, cfg.micro_batch_size, arrays, t_len, r_len)
-                    g, m, old = _micro_grads(
-                        graphdef, lora, rest, *(jnp.asarray(mb[k]) for k in (
-                            "tokens", "prompt_lengths", "budget_pages", "mask", "logp_old",
-                            "logp_sparse", "logp_dense", "advantages")),
-                        jnp.float32(num_tokens), response_capacity=r_len,
-                        temperature=float(temperature), rule=self.rule,
-                        loss_config=cfg.loss, lambda_kl=float(self.config.lambda_kl),
-                        chunk_size=cfg.chunk_size, fused=fused, remat=cfg.remat)
+                    with sharding.use_mesh(mesh):
+                        g, m, old = _micro_grads(
+                            graphdef, lora, rest, *(put_rows(mesh, mb[k]) for k in (
+                                "tokens", "prompt_lengths", "budget_pages", "mask", "logp_old",
+                                "logp_sparse", "logp_dense", "advantages")),
+                            jnp.float32(num_tokens), response_capacity=r_len,
+                            temperature=float(temperature), rule=self.rule,
+                            loss_config=cfg.loss, lambda_kl=float(self.config.lambda_kl),
+                            chunk_size=cfg.chunk_size, fused=fused, remat=cfg.remat)
                     if fused:
                         _fill(logp_old, micro, np.asarray(old), mb["mask"])
                     grads = g if grads is None else _add(grads, g)
                     for k, v in m.items():
                         sums[k] = sums.get(k, 0.0) + float(v)
-                new_lora, new_state, norm = _apply(self.optimizer, lora, opt_state, grads)
+                with sharding.use_mesh(mesh):
+                    new_lora, new_state, norm = _apply(self.optimizer, lora, opt_state, grads)
                 norm = float(norm)
                 if not (math.isfinite(sums["distill_loss"]) and math.isfinite(norm)):
                     raise NonFiniteError(

@@ -12,14 +12,13 @@ from __future__ import annotations
 import functools
 
 import jax
-import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
-from sparrow_jax.models.lm_head import map_positions, scaled_logits
+from sparrow_jax import sharding
+from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.rl.config import UpdateConfig
-from sparrow_jax.rl.distill import SparseRule, position_budgets
+from sparrow_jax.rl.distill import SparseRule, actor_hidden, put_rows
 from sparrow_jax.rl.recompute import (DenseStats, HostRollout, gather_rows, plan_micro_batches,
                                      response_rows, round_up)
 from sparrow_jax.rollout.types import Rollout
@@ -30,24 +29,12 @@ from sparrow_jax.rollout.types import Rollout
 def _actor_topk(graphdef, state, tokens, prompt_lengths, budget_pages, *, response_capacity,
                 temperature, rule, top_k, chunk_size, lora):
     model = nnx.merge(graphdef, state)
-    attend = make_teacher_forced_attend(page_size=rule.page_size, scorer=rule.scorer,
-                                        dense_layers=rule.dense_layers,
-                                        chunk_size=rule.query_chunk)
-    budgets = TeacherForcedBudgets(position_budgets(budget_pages, prompt_lengths,
-                                                    tokens.shape[1], rule.page_size),
-                                   prompt_lengths)
-    hidden, _ = model.forward(tokens, attend=attend, state=budgets, lora=lora)
-    h = response_rows(hidden, prompt_lengths, response_capacity)
-    b, r, d = h.shape
-    w = model.head_weight()
-
-    def body(hc):
-        logits = scaled_logits(hc, w, temperature)
-        lp, ids = jax.lax.top_k(logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True), top_k)
-        return ids.astype(jnp.int32), lp
-
-    ids, lp = map_positions(body, (h.reshape(b * r, d),), chunk_size=chunk_size, remat=False)
-    return ids.reshape(b, r, top_k), lp.reshape(b, r, top_k)
+    hidden = actor_hidden(model, tokens, prompt_lengths, budget_pages, rule, lora=lora)
+    out = head_outputs(response_rows(hidden, prompt_lengths, response_capacity),
+                       model.head_weight(), temperature=temperature, top_k=top_k,
+                       chunk_size=chunk_size)
+    # Read whole on the host by every process.
+    return sharding.constrain_replicated((out.topk_ids, out.topk_logprobs))
 
 
 def actor_topk(model, rollout: Rollout, temperature: float, rule: SparseRule,
@@ -61,15 +48,17 @@ def actor_topk(model, rollout: Rollout, temperature: float, rule: SparseRule,
     ids, lps = np.zeros((s, r, k), np.int32), np.zeros((s, r, k), np.float32)
     total = host.total_lengths
     graphdef, state = nnx.split(model)
+    mesh = sharding.mesh_of(state)
     arrays = {"tokens": host.tokens, "prompt_lengths": host.prompt_lengths,
               "budget_pages": budget_pages}
     for micro in plan_micro_batches(np.arange(s), total, config.micro_batch_size):
         t_len = round_up(total[micro].max(), config.length_multiple)
         r_len = round_up(host.response_lengths[micro].max(), config.length_multiple)
         mb = gather_rows(micro, config.micro_batch_size, arrays, t_len, r_len)
-        i, lp = _actor_topk(graphdef, state, *(jnp.asarray(mb[name]) for name in arrays),
-                            response_capacity=r_len, temperature=float(temperature), rule=rule,
-                            top_k=k, chunk_size=config.chunk_size, lora=lora)
+        with sharding.use_mesh(mesh):
+            i, lp = _actor_topk(graphdef, state, *(put_rows(mesh, mb[name]) for name in arrays),
+                                response_capacity=r_len, temperature=float(temperature),
+                                rule=rule, top_k=k, chunk_size=config.chunk_size, lora=lora)
         keep = min(r, r_len)
         valid = (np.arange(keep)[None, :] < host.response_lengths[micro][:, None])[..., None]
         ids[micro, :keep] = np.where(valid, np.asarray(i)[:len(micro), :keep], 0)
@@ -77,15 +66,23 @@ def actor_topk(model, rollout: Rollout, temperature: float, rule: SparseRule,
     return ids, lps
 
 
+def alpha_tokens_without_lora(model, rollout: Rollout, dense: DenseStats, temperature: float,
+                              rule: SparseRule, config: UpdateConfig) -> np.ndarray:
+    """The ``paper`` acceptance rate ``[S, R]`` of the sparse actor without its LoRA
+    (``model``'s dense weights: those of ``dense``) against the dense recompute, per response
+    slot (meaningless past each response)."""
+    from sparrow_jax.mismatch import acceptance_rate_paper
+
+    ids, lps = actor_topk(model, rollout, temperature, rule, config, lora=False)
+    return np.asarray(acceptance_rate_paper(dense.topk_ids, dense.topk_logprobs, ids, lps))
+
+
 def alpha_without_lora(model, rollout: Rollout, dense: DenseStats, temperature: float,
                        rule: SparseRule, config: UpdateConfig) -> dict[str, float]:
     """``alpha_paper_mean_nolora`` and ``alpha_paper_p5_nolora``: the ``paper`` acceptance rate
     of the sparse actor without its LoRA (``model``'s dense weights: those of the rollout and of
     ``dense``) over all response tokens, to set beside the rollout's ``alpha_paper_*``."""
-    from sparrow_jax.mismatch import acceptance_rate_paper
-
-    ids, lps = actor_topk(model, rollout, temperature, rule, config, lora=False)
-    alpha = np.asarray(acceptance_rate_paper(dense.topk_ids, dense.topk_logprobs, ids, lps))
+    alpha = alpha_tokens_without_lora(model, rollout, dense, temperature, rule, config)
     a = alpha[np.asarray(rollout.response_mask)]
     return {"alpha_paper_mean_nolora": float(a.mean()),
             "alpha_paper_p5_nolora": float(np.percentile(a, 5))}
