@@ -8,7 +8,7 @@ Example (``configs/*.yaml``)::
     data: {task: needle, prompts_per_step: 8}
     rollout: {samples_per_prompt: 8, max_new_tokens: 8, temperature: 1.0}
     optim: {learning_rate: 1.0e-4}
-    distill: {enabled: true}    # optional: DistillSparse, the sparse actor's LoRA (no mesh yet)
+    distill: {enabled: true}    # optional: DistillSparse, the sparse actor's LoRA
     closed_loop: {enabled: true}   # optional, with a table schedule: its budgets follow alpha
     mesh: {data: 1, fsdp: -1, tensor: 1}   # optional: every device, parameters split (FSDP)
 """
