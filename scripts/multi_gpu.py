@@ -37,6 +37,7 @@ more compilation than the 9 minutes allow.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import datetime
 import json
@@ -108,6 +109,7 @@ class Shapes:
     grpo_model: str = "qwen3-1.7b"
     grpo_dtype: str = "bfloat16"                  # compute dtype; weights and AdamW float32
     grpo_prompts: int = 2
+    grpo_prompt_len: int = 256                    # needle prompts of one length: one compile
     grpo_samples: int = 8
     grpo_max_new: int = 2048
     grpo_micro_batch: int = 8
@@ -117,6 +119,7 @@ class Shapes:
     big_model: str = "qwen3-8b"
     big_dtype: str = "bfloat16"
     big_prompts: int = 2
+    big_prompt_len: int = 256
     big_samples: int = 4
     big_max_new: int = 256
     big_micro_batch: int = 8
@@ -373,12 +376,12 @@ def rollout_speedups(runs: dict) -> list[dict]:
     return out
 
 
-def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str) -> None:
+def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str, key: str) -> None:
     """GRPO steps through ``Trainer.train_step`` (as scripts/bench_grpo.py) on one GPU or a
     mesh: step time, its split, and every GPU's peak memory."""
     import jax
 
-    from sparrow_jax.data import DataConfig
+    from sparrow_jax.data import DataConfig, NeedleConfig
     from sparrow_jax.rl.config import ModelSpec, RolloutSettings, TrainConfig, UpdateConfig
     from sparrow_jax.rl.trainer import Trainer
 
@@ -394,7 +397,11 @@ def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str) -> None:
     config = TrainConfig(
         run_dir=run_dir, steps=get("steps"), mesh=mesh,
         model=ModelSpec(preset=get("model"), dtype=get("dtype")),
-        data=DataConfig(task="needle", prompts_per_step=get("prompts")),
+        # Prompts of one length (the needle task draws 192-256 tokens by default): step 1 then
+        # has step 0's shapes (the rollout's padded prompt, the update's length buckets) and
+        # compiles nothing, so it is the step's own time.
+        data=DataConfig(task="needle", prompts_per_step=get("prompts"), needle=NeedleConfig(
+            min_prompt_len=get("prompt_len"), max_prompt_len=get("prompt_len"))),
         rollout=RolloutSettings(samples_per_prompt=get("samples"),
                                 max_new_tokens=get("max_new"), temperature=1.0, eos_ids=()),
         schedule=schedule, update=UpdateConfig(micro_batch_size=get("micro_batch")),
@@ -402,7 +409,8 @@ def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str) -> None:
     name = f"{get('model')} {mesh_name(mesh_spec)}"
     rows = get("prompts") * get("samples")
     part.update(model=get("model"), dtype=get("dtype"), mesh=mesh_spec, name=name,
-                prompts=get("prompts"), samples=get("samples"), rows=rows,
+                prompts=get("prompts"), prompt_len=get("prompt_len"), samples=get("samples"),
+                rows=rows,
                 max_new=get("max_new"), micro_batch=get("micro_batch"), schedule=sched,
                 steps=[], **device_info())
     log(f"grpo {name}: {get('prompts')} x {get('samples')} rows, {get('max_new')} new tokens, "
@@ -417,31 +425,42 @@ def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str) -> None:
     log(f"grpo {name}: set up in {time.perf_counter() - t0:.1f} s; memory "
         + ", ".join(f"GPU{m['id']} {gib(m['bytes_in_use'])}" for m in device_memory()))
     steps = []
-    for step in range(get("steps")):
-        c0 = _compile_seconds[0]
-        t0 = time.perf_counter()
-        metrics = trainer.train_step()
-        wall = time.perf_counter() - t0
-        row = {k: metrics.get(k) for k in ("time_rollout", "time_recompute", "time_update",
-                                           "tokens_per_s", "response_length_mean",
-                                           "sparse_step_fraction", "loss")}
-        row.update(step=step, wall_s=wall, compile_s=_compile_seconds[0] - c0,
-                   response_tokens=metrics["response_length_mean"] * rows,
-                   memory=device_memory())
-        steps.append(row)
-        part.update(steps=steps)
-        peaks = ", ".join(f"GPU{m['id']} {gib(m['peak_bytes'])}" for m in row["memory"])
-        log(f"grpo {name} step {step}: {wall:.2f} s (compile {row['compile_s']:.1f} s; rollout "
-            f"{row['time_rollout']:.2f}, recompute {row['time_recompute']:.2f}, update "
-            f"{row['time_update']:.2f}); peak {peaks}")
+    barrier = Barrier.from_env()
+    with contextlib.ExitStack() as stack:
+        for step in range(get("steps")):
+            if step == 1:
+                # Step 0 (compilation) may overlap the stage's other items; the timed steps
+                # run once they are done, one timed item at a time.
+                barrier.ready(key)
+                if barrier.folder:
+                    waited = barrier.wait()
+                    part.update(waited_s=waited)
+                    log(f"grpo {name}: waited {waited:.1f} s for the stage's other items")
+                stack.enter_context(barrier.lock())
+            c0 = _compile_seconds[0]
+            t0 = time.perf_counter()
+            metrics = trainer.train_step()
+            wall = time.perf_counter() - t0
+            row = {k: metrics.get(k) for k in ("time_rollout", "time_recompute", "time_update",
+                                               "tokens_per_s", "response_length_mean",
+                                               "sparse_step_fraction", "loss")}
+            row.update(step=step, wall_s=wall, compile_s=_compile_seconds[0] - c0,
+                       response_tokens=metrics["response_length_mean"] * rows,
+                       memory=device_memory())
+            steps.append(row)
+            part.update(steps=steps)
+            if step == 0:   # kept should a later step not finish: step 0 less its compilation
+                part.update(step0_less_compile_s=wall - row["compile_s"],
+                            peak_bytes=[m["peak_bytes"] for m in row["memory"]])
+            peaks = ", ".join(f"GPU{m['id']} {gib(m['peak_bytes'])}" for m in row["memory"])
+            log(f"grpo {name} step {step}: {wall:.2f} s (compile {row['compile_s']:.1f} s; "
+                f"rollout {row['time_rollout']:.2f}, recompute {row['time_recompute']:.2f}, "
+                f"update {row['time_update']:.2f}); peak {peaks}")
     timed = [r for r in steps if r["step"] > 0]
     if timed:
         last = timed[-1]
         part.update(step_s=last["wall_s"], step_tokens_per_s=last["response_tokens"]
                     / last["wall_s"], peak_bytes=[m["peak_bytes"] for m in last["memory"]])
-    else:   # one step: its time less its compilation, an estimate
-        part.update(step_s_less_compile=steps[0]["wall_s"] - steps[0]["compile_s"],
-                    peak_bytes=[m["peak_bytes"] for m in steps[0]["memory"]])
 
 
 def run_item(args) -> None:
@@ -453,10 +472,12 @@ def run_item(args) -> None:
         item_devices(s, part)
     elif name == "rollout":
         item_rollout(s, part)
-    elif name.startswith("grpo:"):
-        item_grpo(s, part, big=False, mesh_spec=name.split(":", 1)[1])
-    elif name.startswith("big:"):
-        item_grpo(s, part, big=True, mesh_spec=name.split(":", 1)[1])
+    elif name.startswith(("grpo:", "big:")):
+        try:
+            item_grpo(s, part, big=name.startswith("big:"), mesh_spec=name.split(":", 1)[1],
+                      key=name)
+        finally:
+            Barrier.from_env().ready(name)   # a failed item keeps no one waiting
     else:
         raise SystemExit(f"unknown item {name!r}")
     part.update(finished=time.time() - T0)
@@ -470,6 +491,7 @@ class Item:
     env: dict
     echo: bool = True         # print the item's lines (pytest and the CLI: a summary line only)
     kind: str = "worker"      # worker | pytest | train
+    timed: bool = False       # times its steps alone once the stage's others are done (Barrier)
 
 
 def host_info() -> dict:
@@ -519,18 +541,20 @@ def train_yaml(s: Shapes, path: Path, run_dir: Path) -> dict:
 
 def build_stages(args, s: Shapes, out_dir: Path, work: Path) -> list[tuple[float, list[Item]]]:
     """(weight, items) per stage; a weight is the stage's share of the budget (GPU seconds
-    estimated: compilation dominates)."""
+    estimated: compilation dominates). The tests, the demo run and both 1.7B GRPO runs share
+    stage 1: the GRPO runs compile and run their first step beside the tests, then time their
+    second step alone (:class:`Barrier`)."""
     me = [sys.executable, str(Path(__file__).resolve())]
     passed = [a for a in sys.argv[1:] if a != "--item"]
     bench = {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get(
         "XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")}
     shared = {"XLA_PYTHON_CLIENT_PREALLOCATE": "false"}   # several processes on the GPUs
-    one_gpu = {**bench, "CUDA_VISIBLE_DEVICES": os.environ.get("CUDA_VISIBLE_DEVICES",
-                                                               "0").split(",")[0]}
+    first_gpu = os.environ.get("CUDA_VISIBLE_DEVICES", "0").split(",")[0]
 
-    def worker(item, env, key=None):
-        part = work / f"{(key or item).replace(':', '_').replace(',', '')}.json"
-        return Item(key or item, me + passed + ["--item", item, "--part", str(part)], env)
+    def worker(item, env, timed=False):
+        part = work / f"{item.replace(':', '_').replace(',', '')}.json"
+        return Item(item, me + passed + ["--item", item, "--part", str(part)], env,
+                    timed=timed)
 
     def pytest(path):
         key = "test:" + Path(path).stem
@@ -539,19 +563,19 @@ def build_stages(args, s: Shapes, out_dir: Path, work: Path) -> list[tuple[float
                           "-p", "no:cacheprovider", f"--junitxml={xml}", path],
                     dict(shared), echo=False, kind="pytest")
 
-    run_dir = work / "train_run"
     yaml_path = out_dir / "multi_gpu_train.yaml"
     train = Item("train", [sys.executable, "-m", "sparrow_jax.cli", "train", "--config",
                            str(yaml_path), "--steps", str(s.train_steps), "--no-progress"],
                  dict(shared), echo=False, kind="train")
+    grpo = [worker(f"grpo:{spec}", dict(shared, **({"CUDA_VISIBLE_DEVICES": first_gpu}
+                                                   if spec == "one" else {})), timed=True)
+            for spec in s.grpo_meshes]
     stages = [
-        (25, [worker("devices", bench)]),
-        (150, [pytest(f) for f in TEST_FILES] + [train]),
-        (130, [worker("rollout", bench)]),
+        (10, [worker("devices", bench)]),
+        (190, [pytest(f) for f in TEST_FILES] + [train] + grpo),
+        (160, [worker("rollout", bench)]),
+        (140, [worker(f"big:{s.big_mesh}", bench)]),
     ]
-    for spec in s.grpo_meshes:
-        stages.append((60, [worker(f"grpo:{spec}", one_gpu if spec == "one" else bench)]))
-    stages.append((110, [worker(f"big:{s.big_mesh}", bench)]))
     only = set(args.only or [])
     if only:
         stages = [(w, [i for i in items if i.key.split(":")[0] in only or i.key in only])
@@ -560,11 +584,66 @@ def build_stages(args, s: Shapes, out_dir: Path, work: Path) -> list[tuple[float
     return stages
 
 
-def run_stage(items: list[Item], deadline: float, logs: Path) -> dict:
-    """Runs ``items`` together, each killed (its process group) at ``deadline``."""
+class Barrier:
+    """Files in a stage's folder that let its timed items (``Item.timed``) time alone: each
+    writes ``ready_<key>`` once its untimed part is done, then waits until every timed item is
+    ready and ``background_done`` exists (the driver writes it when the stage's other items
+    have ended), then times under an exclusive lock (one timed item at a time). The driver marks
+    an item that ended as ready; waiting gives up after ``max_wait`` seconds (then recorded)."""
+
+    def __init__(self, folder: str | None, count: int = 0, max_wait: float = 300.0):
+        self.folder = Path(folder) if folder else None
+        self.count, self.max_wait = count, max_wait
+
+    @classmethod
+    def from_env(cls) -> "Barrier":
+        return cls(os.environ.get("MULTI_GPU_SYNC"), int(os.environ.get("MULTI_GPU_SYNC_N", 0)))
+
+    def ready(self, key: str) -> None:
+        if self.folder:
+            (self.folder / f"ready_{key.replace(':', '_').replace(',', '')}").touch()
+
+    def wait(self) -> float:
+        """Seconds waited for the others (0 without a barrier)."""
+        if not self.folder:
+            return 0.0
+        t0 = time.time()
+        while time.time() - t0 < self.max_wait:
+            if (len(list(self.folder.glob("ready_*"))) >= self.count
+                    and (self.folder / "background_done").exists()):
+                break
+            time.sleep(0.5)
+        return time.time() - t0
+
+    def lock(self):
+        import fcntl
+
+        if not self.folder:
+            return contextlib.nullcontext()
+
+        @contextlib.contextmanager
+        def held():
+            with open(self.folder / "lock", "w") as f:
+                fcntl.flock(f, fcntl.LOCK_EX)
+                try:
+                    yield
+                finally:
+                    fcntl.flock(f, fcntl.LOCK_UN)
+
+        return held()
+
+
+def run_stage(items: list[Item], deadline: float, logs: Path, folder: Path) -> dict:
+    """Runs ``items`` together, each killed (its process group) at ``deadline``; the timed ones
+    synchronised through a :class:`Barrier` in ``folder``."""
+    folder.mkdir(parents=True, exist_ok=True)
+    timed = [i for i in items if i.timed]
+    barrier = Barrier(str(folder), len(timed))
     procs = {}
     for item in items:
         env = dict(os.environ, **item.env, MULTI_GPU_T0=str(T0), PYTHONUNBUFFERED="1")
+        if item.timed:   # the others never wait
+            env.update(MULTI_GPU_SYNC=str(folder), MULTI_GPU_SYNC_N=str(len(timed)))
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(REPO),
                                                           os.environ.get("PYTHONPATH")]))
         logfile = open(logs / f"{item.key.replace(':', '_').replace(',', '')}.log", "w")
@@ -586,28 +665,40 @@ def run_stage(items: list[Item], deadline: float, logs: Path) -> dict:
         procs[item.key] = (item, proc, thread, tail, time.time())
         log(f"started {item.key} (until {deadline - T0:.0f} s)")
     results = {}
-    for key, (item, proc, thread, tail, started) in procs.items():
-        status = "ok"
-        try:
-            proc.wait(timeout=max(1.0, deadline - time.time()))
-        except subprocess.TimeoutExpired:
-            status = "timeout"
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                try:
-                    os.killpg(proc.pid, sig)
-                except ProcessLookupError:
-                    break
-                try:
-                    proc.wait(timeout=15)
-                    break
-                except subprocess.TimeoutExpired:
-                    continue
-        thread.join(timeout=10)
-        if status == "ok" and proc.returncode != 0:
-            status = "failed"
-        results[key] = dict(status=status, rc=proc.returncode,
-                            wall_s=time.time() - started, output_tail="".join(tail)[-3000:])
-        log(f"{key}: {status} (exit {proc.returncode}) after {time.time() - started:.1f} s")
+    background = {i.key for i in items if not i.timed}
+    if not background:
+        (folder / "background_done").touch()
+    while len(results) < len(procs):
+        for key, (item, proc, thread, tail, started) in procs.items():
+            if key in results:
+                continue
+            status = None
+            if proc.poll() is not None:
+                status = "ok" if proc.returncode == 0 else "failed"
+            elif time.time() > deadline:
+                status = "timeout"
+                for sig in (signal.SIGTERM, signal.SIGKILL):
+                    try:
+                        os.killpg(proc.pid, sig)
+                    except ProcessLookupError:
+                        break
+                    try:
+                        proc.wait(timeout=15)
+                        break
+                    except subprocess.TimeoutExpired:
+                        continue
+            if status is None:
+                continue
+            thread.join(timeout=10)
+            results[key] = dict(status=status, rc=proc.returncode, wall_s=time.time() - started,
+                                output_tail="".join(tail)[-3000:])
+            log(f"{key}: {status} (exit {proc.returncode}) after {time.time() - started:.1f} s")
+            if item.timed:
+                barrier.ready(key)   # an item that ended keeps no one waiting
+            elif background <= set(results) and timed:
+                (folder / "background_done").touch()
+                log("the stage's other items are done: the timed items may time now")
+        time.sleep(0.5)
     return results
 
 
@@ -673,8 +764,8 @@ def summary_lines(report: dict) -> list[str]:
             peaks = ", ".join(gib(p) for p in r.get("peak_bytes") or [])
             t = r.get("step_s")
             t = f"{t:.2f} s" if t is not None else (
-                f"~{r['step_s_less_compile']:.2f} s (step 0 less compile)"
-                if r.get("step_s_less_compile") is not None else "n/a")
+                f"~{r['step0_less_compile_s']:.2f} s (step 0 less compile)"
+                if r.get("step0_less_compile_s") is not None else "n/a")
             out.append(f"{key} ({r.get('name')}): step {t}, peak per GPU [{peaks}] "
                        f"({r['status']})")
     if "train" in items:
@@ -720,7 +811,7 @@ def drive(args) -> int:
         f"NCCL_NVLS_ENABLE={nvls}; report {path}")
     save()
     done_weight = 0.0
-    for weight, items in stages:
+    for index, (weight, items) in enumerate(stages):
         done_weight += weight
         deadline = T0 + budget * done_weight / total
         if deadline - time.time() < 5:
@@ -728,7 +819,7 @@ def drive(args) -> int:
                 report["items"][item.key] = dict(status="skipped: no time left")
             log("skipped (no time left): " + ", ".join(i.key for i in items))
             continue
-        results = run_stage(items, deadline, logs)
+        results = run_stage(items, deadline, logs, work / f"stage{index}")
         for item in items:
             r = results[item.key]
             if item.kind == "worker":
