@@ -228,3 +228,36 @@ def test_similar_batches_reuse_one_compilation(model):
     before = run_chunk._cache_size()
     generate(model, _prompts((4, 12), seed=5), cfg, jax.random.key(1))
     assert run_chunk._cache_size() == before
+
+
+
+def test_decode_loop_weights_are_in_the_compute_dtype():
+    from sparrow_jax.rollout.engine import model_params
+
+    bf16 = init_model(CFG, seed=1, dtype=jnp.bfloat16)
+    masters, cast = nnx.split(bf16)[1], model_params(bf16)[1]
+    assert {x.dtype for x in jax.tree.leaves(masters)} == {jnp.dtype(jnp.float32)}
+    assert {x.dtype for x in jax.tree.leaves(cast)} == {jnp.dtype(jnp.bfloat16)}
+    for a, b in zip(jax.tree.leaves(masters), jax.tree.leaves(cast)):
+        np.testing.assert_array_equal(np.asarray(a.astype(jnp.bfloat16), np.float32),
+                                      np.asarray(b, np.float32))
+
+
+@pytest.mark.skipif(jax.default_backend() == "cpu",
+                    reason="XLA:CPU runs no bfloat16 x bfloat16 -> float32 dot (the LM head's); "
+                           "runs on a GPU in scripts/test_gpu.sh")
+def test_weights_cast_once_give_the_tokens_of_float32_masters(monkeypatch):
+    """The decode loop's copy of the weights in the compute dtype (bfloat16) samples the tokens,
+    log-probs and top-k of running on the float32 masters that every layer casts at use, bit
+    for bit."""
+    from sparrow_jax.rollout import engine
+
+    bf16 = init_model(CFG, seed=1, dtype=jnp.bfloat16)
+    config, key = _config(temperature=1.0, n=2), jax.random.key(4)
+    sparse = BudgetSchedule.fixed(3, page_size=P)
+    got = generate(bf16, _prompts(), config, key, sparse)
+    monkeypatch.setattr(engine, "model_params", lambda model, mesh=None: nnx.split(model))
+    want = generate(bf16, _prompts(), config, key, sparse)
+    for name in ("tokens", "response_lengths", "logprobs", "topk_ids", "topk_logprobs"):
+        np.testing.assert_array_equal(np.asarray(getattr(got, name)),
+                                      np.asarray(getattr(want, name)), err_msg=name)

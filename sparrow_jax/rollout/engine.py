@@ -303,9 +303,16 @@ def plan_batch(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
 
 
 def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
-    """The model as (graphdef, params) for the decode loop: under ``mesh``, the weights
-    replicated on it (gathered if sharded)."""
+    """The model as (graphdef, params) for the decode loop, its floating weights in the compute
+    dtype; under ``mesh``, replicated on it (cast, then gathered if sharded).
+
+    Every layer casts its weights to the compute dtype at use (docs/design.md, section 1), so a
+    copy cast once gives the same tokens, while each decode step reads half the bytes of
+    float32 masters and a gathered copy holds half the memory."""
     graphdef, params = nnx.split(model)
+    dtype = jnp.dtype(model.dtype)
+    params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
     if mesh is not None:
         params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
     return graphdef, params

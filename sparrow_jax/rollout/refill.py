@@ -35,7 +35,6 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax import nnx
 
 from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
 from sparrow_jax.attention.paged_cache import init_cache
@@ -43,7 +42,8 @@ from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
 from sparrow_jax.rollout.decode_loop import (UNFINISHED, DecodeSettings, LoopState, run_chunk,
                                              start, table_width)
-from sparrow_jax.rollout.engine import RolloutConfig, pool_size, prompt_caps, prompt_width
+from sparrow_jax.rollout.engine import (RolloutConfig, model_params, pool_size, prompt_caps,
+                                        prompt_width)
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
@@ -155,7 +155,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     shape, values, bound = runtime_schedule(schedule, schedule_bound, width)
     settings = DecodeSettings.from_config(config, cfg.vocab_size, shape,
                                           lora=lora).for_width(bound, width)
-    graphdef, params = nnx.split(model)
+    graphdef, params = model_params(model)
     alloc = GrowingPageAllocator(num_pages, p, seed=config.page_seed)
     table = np.full((slots, width), NULL_PAGE, np.int32)   # the host's page table, per slot
     state = _empty_state(cfg, num_pages, slots, tp + r, r, settings.top_k, config, cache_dtype,
