@@ -124,7 +124,7 @@ class Shapes:
     big_max_new: int = 256
     big_micro_batch: int = 8
     big_steps: int = 2
-    big_schedule: str = "paper:qwen3-1.7b"       # the paper has no qwen3-8b table
+    big_schedule: str = "paper:qwen3-8b"
     big_mesh: str = "1,2,1"
     train_config: str = "configs/demo.yaml"
     train_steps: int = 5
@@ -410,9 +410,8 @@ def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str, key: str) -> 
     rows = get("prompts") * get("samples")
     part.update(model=get("model"), dtype=get("dtype"), mesh=mesh_spec, name=name,
                 prompts=get("prompts"), prompt_len=get("prompt_len"), samples=get("samples"),
-                rows=rows,
-                max_new=get("max_new"), micro_batch=get("micro_batch"), schedule=sched,
-                steps=[], **device_info())
+                rows=rows, max_new=get("max_new"), micro_batch=get("micro_batch"),
+                schedule=sched, steps=[], **device_info())
     log(f"grpo {name}: {get('prompts')} x {get('samples')} rows, {get('max_new')} new tokens, "
         f"schedule {sched}: building the trainer")
     t0 = time.perf_counter()
