@@ -207,9 +207,14 @@ def plot(results: list[dict], path: str, smooth: int, threshold: float = 0.86) -
     for r in sorted(results, key=lambda r: (r["seed"], r["arm"])):
         c, curves = colors.get(r["seed"] % 4), r["curves"]
         if r["arm"] == "on":
-            ax_a.plot(*_smooth(curves["alpha_paper_p5"], smooth), color=c,
+            # Both on the steps scored without LoRA (every eval_every-th), the window in steps.
+            off = curves["alpha_paper_p5_nolora"]
+            scored = [i for i, v in enumerate(off) if v is not None]
+            n = max(1, smooth // max(1, scored[1] - scored[0])) if len(scored) > 1 else 1
+            on = [v if off[i] is not None else None for i, v in enumerate(curves["alpha_paper_p5"])]
+            ax_a.plot(*_smooth(on, n), color=c,
                       label=f"seed {r['seed']}: DistillSparse, LoRA on (the actor)")
-            ax_a.plot(*_smooth(curves["alpha_paper_p5_nolora"], smooth), color=c, ls="--",
+            ax_a.plot(*_smooth(off, n), color=c, ls="--",
                       label=f"seed {r['seed']}: DistillSparse, same weights, LoRA off")
         else:
             ax_a.plot(*_smooth(curves["alpha_paper_p5"], smooth), color=c, ls=":",
