@@ -14,11 +14,14 @@ warm-up (which compiles):
 - ``ratio``: lora_update_s / dense_phase_s (target: <= 0.60 at 8K, issue 16).
 
 Both updates use the same remat setting (``--no-remat`` turns it off for both). The student's
-log-probs are checked against a dense-budget run of itself at the shortest length (a sparse
-forward at a budget covering every page must equal the dense forward): ``check_max_abs``.
+log-probs are checked against a dense-budget run of itself at the first length (a sparse
+forward at a budget covering every page must equal the dense forward): ``check_max_abs``;
+``--no-check`` skips it.
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_distill.py \\
-        --lengths 8192,32768 --out $OUT/distill.json
+        --lengths 8192 --out $OUT/distill_8k.json
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_distill.py \\
+        --lengths 32768 --repeats 2 --no-check --out $OUT/distill_32k.json
 
 CPU smoke test: ``--preset tiny --lengths 128 --rows 2 --prompt-len 32 --repeats 1``.
 """
@@ -56,6 +59,8 @@ def parse_args(argv=None):
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--no-remat", action="store_true")
+    p.add_argument("--no-check", action="store_true",
+                   help="skip the dense-budget check (at 32K its all-pages gather is large)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto")
     p.add_argument("--out", default=None)
     return p.parse_args(argv)
@@ -143,7 +148,7 @@ def main(argv=None) -> dict:
                "dense_phase_s": _median_time(dense_phase, a.repeats),
                "lora_update_s": _median_time(lora_update, a.repeats)}
         row["ratio"] = round(row["lora_update_s"] / row["dense_phase_s"], 3)
-        if not results:
+        if not results and not a.no_check:
             dense_budgets = np.zeros_like(budgets)          # 0: every step dense
             got = jax.jit(lambda l_, r_, *xs: student_logprobs(
                 nnx.merge(graphdef, l_, r_), *xs, temperature=1.0, rule=rule))(
