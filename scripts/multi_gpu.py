@@ -276,7 +276,7 @@ def item_rollout(s: Shapes, part: Part) -> None:
     from sparrow_jax import sharding
     from sparrow_jax.config import ModelConfig
     from sparrow_jax.models.qwen3 import init_model
-    from sparrow_jax.rollout.engine import RolloutConfig, decode_chunk
+    from sparrow_jax.rollout.engine import RolloutConfig
     from sparrow_jax.rollout.profile import fixed_context_batch, time_context
     from sparrow_jax.schedule import BudgetSchedule
 
@@ -323,20 +323,10 @@ def item_rollout(s: Shapes, part: Part) -> None:
             log(f"rollout {name}: {rows} rows set up in {entry['setup_s']:.1f} s; memory "
                 + ", ".join(f"GPU{m['id']} {gib(m['bytes_in_use'])}"
                             for m in entry["memory_after_setup"]))
-            # profile.at_context hands back `lengths` and `finish` replicated on a mesh, the
-            # decode chunk row-split: without this, the second timed chunk of each context
-            # would compile the chunk again (seen on 2 simulated devices). Every chunk's input
-            # is put in the layout the batch started with (a no-op but for those two [rows]
-            # vectors).
-            layout = jax.tree.map(lambda x: x.sharding, state)
-
-            def run(st, reach, batch=batch, graphdef=graphdef, params=params, layout=layout):
-                return decode_chunk(batch, graphdef, params, jax.device_put(st, layout),
-                                    reach=reach)[0]
             for ctx in contexts:
                 c1 = _compile_seconds[0]
                 state, timing = time_context(batch, graphdef, params, state, ctx,
-                                             repeats=repeats, run=run)
+                                             repeats=repeats)
                 t = statistics.median(timing.step_seconds)
                 total = rows / t
                 entry["contexts"].append(dict(
@@ -357,7 +347,7 @@ def item_rollout(s: Shapes, part: Part) -> None:
         entry.update(wall_s=time.perf_counter() - t0, compile_s=_compile_seconds[0] - c0,
                      memory=device_memory())
         part.update(runs=runs)
-        batch = graphdef = params = state = run = None   # free this mesh's pool first
+        batch = graphdef = params = state = None   # free this mesh's pool first
         gc.collect()
     part.update(speedups=rollout_speedups(runs))
 

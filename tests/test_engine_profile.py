@@ -9,8 +9,8 @@ import pytest
 
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
-from sparrow_jax.rollout.engine import RolloutConfig
-from sparrow_jax.rollout.profile import at_context, fixed_context_batch, time_context
+from sparrow_jax.rollout.engine import RolloutConfig, decode_chunk
+from sparrow_jax.rollout.profile import _normal_like, at_context, fixed_context_batch, time_context
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
@@ -41,3 +41,38 @@ def test_time_context_runs_the_engine_chunk_at_the_context():
     # A chunk that did not advance the rows is reported.
     with pytest.raises(RuntimeError, match="rows stopped"):
         time_context(batch, graphdef, params, state, 20, repeats=1, run=lambda st, reach: st)
+
+
+def _pool(state) -> list:
+    c = state.cache
+    return [x for arrays in (c.k_pages, c.v_pages, c.centroids, c.kmin, c.kmax)
+            if arrays is not None for x in arrays]
+
+
+def test_profile_holds_one_pool():
+    """The profile's memory is one pool (+ weights + a step's temporaries), as the benchmark's
+    own loop had it: the fill writes each layer in place without temporaries, at_context
+    shares the pool with the state it was given, and a chunk updates it in place. A jitted
+    at_context copied the pool (and a float32 normal fill needed 8 layers of temporaries):
+    out of memory on GPUs where the pool alone fit."""
+    model = init_model(CFG, seed=0)
+    config = RolloutConfig(n=1, max_new_tokens=64, page_size=P, steps_per_call=4,
+                           table_bucket_pages=None)
+    batch, graphdef, params, state = fixed_context_batch(
+        model, config, rows=2, prompt_len=5, key=jax.random.key(0))
+    layer = state.cache.k_pages[0]
+    fill = _normal_like.lower(layer, np.uint32(1)).compile().memory_analysis()
+    assert fill.alias_size_in_bytes == layer.nbytes
+    assert fill.temp_size_in_bytes <= layer.nbytes // 16, fill.temp_size_in_bytes
+    values = np.concatenate([np.asarray(x, np.float64).ravel() for x in _pool(state)])
+    assert abs(values.mean()) < 0.05 and abs(values.std() - 1) < 0.05   # ~N(0, 1), filled
+
+    pointers = [x.unsafe_buffer_pointer() for x in _pool(state)]
+    put = at_context(state, 13)
+    assert [x.unsafe_buffer_pointer() for x in _pool(put)] == pointers
+    for new, old in ((put.cache.lengths, state.cache.lengths), (put.finish, state.finish),
+                     (put.response_lengths, state.response_lengths)):
+        assert new.sharding == old.sharding   # the chunk's own layout: no second compilation
+    state, _ = decode_chunk(batch, graphdef, params, put, reach=30)
+    assert all(x.is_deleted() for x in _pool(put))                     # donated
+    assert [x.unsafe_buffer_pointer() for x in _pool(state)] == pointers   # updated in place

@@ -54,7 +54,8 @@ def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: 
     (batch, graphdef, params, state)."""
     if rows < config.n or rows % config.n:
         raise ValueError(f"rows={rows} must be a positive multiple of n={config.n}")
-    rng = np.random.default_rng(int(jax.random.randint(key, (), 0, 2 ** 31 - 1)))
+    seed = int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
+    rng = np.random.default_rng(seed)
     prompts = rng.integers(0, model.config.vocab_size, (rows // config.n, prompt_len)).tolist()
     batch = plan_batch(model, prompts, config, schedule, mesh=mesh,
                        schedule_bound=schedule_bound)
@@ -63,7 +64,7 @@ def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: 
     c = state.cache
     pool = (c.k_pages, c.v_pages, c.centroids, c.kmin, c.kmax)
     filled = [None if arrays is None else tuple(
-        _normal_like(x, jax.random.fold_in(key, 1000 * i + layer))
+        _normal_like(x, np.uint32(seed + 1000 * i + layer))
         for layer, x in enumerate(arrays)) for i, arrays in enumerate(pool)]
     cache = c.replace(k_pages=filled[0], v_pages=filled[1], centroids=filled[2], kmin=filled[3],
                       kmax=filled[4])
@@ -71,20 +72,52 @@ def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: 
 
 
 @functools.partial(jax.jit, donate_argnums=0)
-def _normal_like(x: jax.Array, key: jax.Array) -> jax.Array:
-    # `x * 0 +` ties the result to x's sharding (a pool stays split over the mesh) and reuses
-    # its buffer: no second pool, even for a batch sized to the device's memory.
-    return x * 0 + jax.random.normal(key, x.shape, jnp.float32).astype(x.dtype)
+def _normal_like(x: jax.Array, seed: jax.Array) -> jax.Array:
+    """Approximately standard normal values (Irwin-Hall: the sum of four uniform bytes of a
+    hash of each element's index and ``seed``, scaled to variance 1) in ``x``'s place.
+
+    A hash of the index is one elementwise fusion written straight into the donated buffer: no
+    temporary. ``jax.random.normal`` here needed about 8x the layer's bytes of temporaries
+    (threefry bits, float32 values; XLA:CPU memory_analysis), several GiB for a pool layer of a
+    batch sized to the device, allocated between the pool's layers."""
+    h = jnp.full(x.shape, seed, jnp.uint32)
+    for axis in range(x.ndim):
+        h = _mix(h ^ jax.lax.broadcasted_iota(jnp.uint32, x.shape, axis))
+    total = sum(((h >> s) & 0xFF).astype(jnp.float32) for s in (0, 8, 16, 24))
+    # Four uniform bytes: mean 4 * 127.5, variance 4 * (256**2 - 1) / 12.
+    normal = (total - 510.0) * (3.0 / (256.0 ** 2 - 1)) ** 0.5
+    # `x * 0 +` ties the result to x's sharding (a pool stays split over the mesh), so the
+    # donated buffer is reused: no second pool, even for a batch sized to the device's memory.
+    return x * 0 + normal.astype(x.dtype)
 
 
-@jax.jit
-def at_context(state: LoopState, length: jax.Array) -> LoopState:
+def _mix(h: jax.Array) -> jax.Array:
+    """A 32-bit integer hash round (murmur3's finaliser)."""
+    h = (h ^ (h >> 16)) * jnp.uint32(0x85EBCA6B)
+    h = (h ^ (h >> 13)) * jnp.uint32(0xC2B2AE35)
+    return h ^ (h >> 16)
+
+
+def at_context(state: LoopState, length: int) -> LoopState:
     """Every row running with ``length`` tokens in its cache (prompt + response - 1, as in the
-    loop); its sharding kept."""
-    zero = state.cache.lengths * 0
+    loop); every array's sharding kept.
+
+    Only the three [S] arrays are new (built on the host, put in the old ones' shardings); the
+    pool and the rest are the same arrays. A jitted version returned copies of every array it
+    passed through (XLA copies a non-donated parameter it outputs): a second pool, out of
+    memory on a device sized for one; and on a mesh it chose other shardings for the new rows
+    than ``run_chunk`` returns, which compiled the next chunk a second time."""
+    length = int(length)
+
+    def full(like: jax.Array, value) -> jax.Array:
+        return jax.device_put(np.broadcast_to(np.asarray(value, like.dtype), like.shape),
+                              like.sharding)
+
+    prompt = np.asarray(state.prompt_lengths)
     return state._replace(
-        cache=state.cache.replace(lengths=zero + length),
-        response_lengths=zero + length - state.prompt_lengths + 1, finish=zero + UNFINISHED)
+        cache=state.cache.replace(lengths=full(state.cache.lengths, length)),
+        response_lengths=full(state.response_lengths, length - prompt + 1),
+        finish=full(state.finish, UNFINISHED))
 
 
 def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context: int, *,
