@@ -22,7 +22,7 @@ from conftest import run_on_simulated_devices
 from sparrow_jax.config import from_dict
 from sparrow_jax.rl.config import TrainConfig
 
-# Two trainer runs with every pass compiled for both layouts: about 4 CPU-minutes.
+# Two trainer runs with every pass compiled for both layouts: about 100 CPU-seconds.
 pytestmark = pytest.mark.slow
 
 STEPS = 2
@@ -54,7 +54,8 @@ def _config(run_dir, mesh=None) -> TrainConfig:
         "schedule": {"kind": "fixed", "pages": 3, "page_size": 4},
         "update": {"micro_batch_size": 8, "length_multiple": 32, "remat": False},
         "optim": {"learning_rate": 1e-2},
-        "distill": {"enabled": True, "rank": 4, "eval_every": 1, "lambda_kl": 1.0},
+        "distill": {"enabled": True, "rank": 4, "eval_every": 1, "lambda_kl": 1.0,
+                    "lr_multiple": 0.1},
         "mismatch": {"top_k": 8, "min_count": 1},
         "checkpoint_every": 10, "eval_every": 0, "tensorboard": False, "progress": False,
     }
@@ -129,8 +130,9 @@ def test_distill_on_a_mesh_equals_one_device(report):
     assert got["lora"].keys() == ref["lora"].keys()
     moved = 0
     for k, w in ref["lora"].items():
-        # AdamW moves every weight by about the learning rate (1e-2) whatever its gradient's
-        # size, so summation-order rounding of the mesh's reductions shows at ~1e-5.
+        # A's first gradient is exactly zero on one device (B starts at zero); the mesh's
+        # reductions leave rounding there, which AdamW (eps 1e-8) turns into moves of up to
+        # ~1e-2 of its learning rate (1e-3 here).
         np.testing.assert_allclose(got["lora"][k], w, rtol=1e-4, atol=1e-4, err_msg=k)
         moved += k.endswith("lora_b") and np.abs(np.asarray(w)).max() > 0
     assert moved == 2 * 7   # every B of both layers trained away from zero
