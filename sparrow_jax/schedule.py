@@ -102,7 +102,7 @@ class BudgetSchedule:
         return cls(kind="fixed", pages=int(pages), **kwargs)
 
     @classmethod
-    def fraction(cls, f: float, floor: int = MIN_BUDGET_PAGES, **kwargs) -> "BudgetSchedule":
+    def from_fraction(cls, f: float, floor: int = MIN_BUDGET_PAGES, **kwargs) -> "BudgetSchedule":
         """A fraction ``f`` of the context's pages, at least ``floor`` pages."""
         return cls(kind="fraction", fraction=float(f), floor=int(floor), **kwargs)
 

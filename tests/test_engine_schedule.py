@@ -53,7 +53,7 @@ def test_split_schedule_budgets_equal_the_schedule():
     lengths = np.arange(1, 200)
     for schedule in (BudgetSchedule.from_table((0, 2, 2, 9), 10, page_size=P),
                      BudgetSchedule.fixed(7, page_size=P),
-                     BudgetSchedule.fraction(0.3, floor=4, page_size=P)):
+                     BudgetSchedule.from_fraction(0.3, floor=4, page_size=P)):
         shape, values = budget.split_schedule(schedule)
         got = np.asarray(budget.budget_pages(shape, values, lengths))
         np.testing.assert_array_equal(got, np.asarray(schedule.budget_pages(lengths)))
@@ -65,8 +65,8 @@ def test_split_schedule_budgets_equal_the_schedule():
     # Tables of one shape share it; a fraction's name does not split it.
     assert (budget.split_schedule(BudgetSchedule.from_table((1, 4), 10))[0]
             == budget.split_schedule(BudgetSchedule.from_table((2, 3), 10))[0])
-    assert (budget.split_schedule(BudgetSchedule.fraction(0.5, name="a"))[0]
-            == budget.split_schedule(BudgetSchedule.fraction(0.5, name="b"))[0])
+    assert (budget.split_schedule(BudgetSchedule.from_fraction(0.5, name="a"))[0]
+            == budget.split_schedule(BudgetSchedule.from_fraction(0.5, name="b"))[0])
 
 
 def test_gather_width_follows_the_bound():

@@ -50,15 +50,18 @@ def test_vectorised_and_jittable():
 def test_fixed_fraction_and_custom_table():
     np.testing.assert_array_equal(np.asarray(BudgetSchedule.fixed(40).budget_pages([5, 90_000])),
                                   [40, 40])
-    frac = BudgetSchedule.fraction(0.25, floor=8, page_size=16)
+    frac = BudgetSchedule.from_fraction(0.25, floor=8, page_size=16)
     # 16 pages -> 4 -> floor 8; 100 pages -> 25; 101 pages (1601 tokens) -> ceil(25.25) = 26
     np.testing.assert_array_equal(np.asarray(frac.budget_pages([256, 1600, 1601])), [8, 25, 26])
     table = BudgetSchedule.from_table([5, 9], bin_tokens=100)
     np.testing.assert_array_equal(np.asarray(table.budget_pages([99, 100, 5000])), [8, 12, 12])
+    # every field keeps its declared default (a constructor named like a field once replaced
+    # the field's default with the constructor itself)
+    assert (table.fraction, table.pages, frac.table) == (0.0, 0, ())
 
 
 @pytest.mark.parametrize("schedule", [BudgetSchedule.paper("qwen3-14b"), BudgetSchedule.fixed(7),
-                                      BudgetSchedule.fraction(0.1, 5),
+                                      BudgetSchedule.from_fraction(0.1, 5),
                                       BudgetSchedule.from_table([1, 2, 3], 500)])
 def test_yaml_round_trip(schedule):
     assert BudgetSchedule.from_yaml(schedule.to_yaml()) == schedule
@@ -90,7 +93,7 @@ def test_bad_schedules_are_named():
     with pytest.raises(ValueError, match=">= 3 pages"):
         BudgetSchedule.fixed(2)
     with pytest.raises(ValueError, match="fraction must be"):
-        BudgetSchedule.fraction(1.5)
+        BudgetSchedule.from_fraction(1.5)
     with pytest.raises(ValueError, match="non-empty"):
         BudgetSchedule.from_table([])
     with pytest.raises(ConfigError, match="unknown key"):

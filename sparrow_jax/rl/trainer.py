@@ -42,6 +42,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import signal
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
@@ -53,14 +54,15 @@ from flax import nnx
 
 from sparrow_jax import distributed, sharding
 from sparrow_jax.config import ConfigError, to_dict
-from sparrow_jax.data import PromptIterator, build_prompt_sets, evaluate_mean_at_k
+from sparrow_jax.data import PromptIterator, build_eval_sets, build_prompt_sets, evaluate_mean_at_k
 from sparrow_jax.rl import closed_loop
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
 from sparrow_jax.rl.distill import DistillBatch, DistillUpdater, SparseRule
 from sparrow_jax.rl.interrupt import StepAbandoned, StopSignals, TrainingInterrupted
 from sparrow_jax.rl.recompute import DenseStats, recompute
-from sparrow_jax.rl.rewards import get_reward, score_batch
+from sparrow_jax.rl.evaluation import evaluate_held_out
+from sparrow_jax.rl.rewards import get_reward, score_batch_with_metrics
 from sparrow_jax.rl.run_dir import RunDirError, check_resume, prepare_fresh
 from sparrow_jax.rl.step_metrics import Timer, step_metrics
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
@@ -112,6 +114,17 @@ def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
                         schedule_bound=schedule_bound, **extra)
 
     return rollout_fn
+
+
+def _pooled(metrics: dict[str, float]) -> dict[str, float]:
+    """A reward's batch metrics over every process: counts summed, ``*_frac`` averaged (each
+    process scores the same number of rows)."""
+    if not metrics:
+        return metrics
+    names = sorted(metrics)
+    rows = distributed.allgather_rows(np.asarray([[metrics[m] for m in names]], np.float64))
+    return {m: float(rows[:, i].mean() if m.endswith("_frac") else rows[:, i].sum())
+            for i, m in enumerate(names)}
 
 
 def responses_of(rollout: Rollout) -> list[list[int]]:
@@ -187,6 +200,8 @@ class Trainer:
         self.reward_context = dict(config.reward_options, tokenizer=tokenizer,
                                    eos_ids=tuple(self.model_config.eos_token_ids))
         self.train_set, self.eval_set = build_prompt_sets(config.data, tokenizer)
+        # The math recipe's held-out sets, each scored on its own (Mean@k, pass@k).
+        self.eval_sets = build_eval_sets(config.data, tokenizer) if config.data.eval_sets else {}
         self.iterator = PromptIterator(len(self.train_set.prompts), config.data.prompts_per_step,
                                        config.data.seed)
         self.updater = PolicyUpdater(config.update, config.optim)
@@ -262,14 +277,17 @@ class Trainer:
         self.step = int(record["step"])
 
     # -- rollouts and stops on several processes -----------------------------------------------
-    def _rollout(self, prompts, key, n, prompt_ids=None) -> Rollout:
+    def _rollout(self, prompts, key, n, prompt_ids=None, dense=False) -> Rollout:
         """``rollout_fn`` on this process's devices: the whole mesh with one process; with
         several, a copy of the weights on the local devices (each process samples its own
         prompts, ``prompt_ids`` fixing their streams). With the closed loop on, also the current
-        ``schedule`` and its ``schedule_bound`` (the controller's upper bounds)."""
+        ``schedule`` and its ``schedule_bound`` (the controller's upper bounds); ``dense``: no
+        schedule (dense attention)."""
         extra = {} if self.loop is None else {
             "schedule": self.schedule,
             "schedule_bound": closed_loop.bound(self.loop, self.schedule)}
+        if dense:
+            extra = {"schedule": None}
         if self.mesh is None:
             return self.rollout_fn(self.model, prompts, key, n, **extra)
         if self.processes == 1:
@@ -330,15 +348,16 @@ class Trainer:
                 rollout = jax.block_until_ready(self._rollout(
                     prompts[share], k_roll, n, prompt_ids=mine if self.processes > 1 else None))
             check_rollout(rollout, len(mine), n)
-            rewards = score_batch(self.reward_fn, [p for p in prompts[share] for _ in range(n)],
-                                  responses_of(rollout),
-                                  [a for a in answers[share] for _ in range(n)],
-                                  **self.reward_context)
+            rewards, reward_metrics = score_batch_with_metrics(
+                self.reward_fn, [p for p in prompts[share] for _ in range(n)],
+                responses_of(rollout), [a for a in answers[share] for _ in range(n)],
+                **self.reward_context)
             if self.processes > 1:
                 if self._agreed_stop():
                     raise StepAbandoned()
                 rollout = gather_rollout(rollout, len(prompts), n)
                 rewards = distributed.allgather_rows(np.asarray(rewards, np.float64))
+                reward_metrics = _pooled(reward_metrics)
             advantages = np.asarray(group_advantages(np.asarray(rewards), n))
 
             u = cfg.update
@@ -372,7 +391,8 @@ class Trainer:
                 self.loop, cfg.closed_loop, self.schedule, rollout, dense)
             update_metrics.update(loop_metrics)
         self.step += 1
-        return step_metrics(cfg, rollout, dense, rewards, update_metrics, timer.seconds)
+        return {**step_metrics(cfg, rollout, dense, rewards, update_metrics, timer.seconds),
+                **reward_metrics}
 
     def _distill_step(self, student, rollout: Rollout, dense: DenseStats, advantages, plan,
                       timer) -> dict[str, float]:
@@ -399,16 +419,30 @@ class Trainer:
         return {**metrics, **out}
 
     def evaluate(self, step: int) -> dict[str, float]:
-        """mean@k and best@k on the held-out prompts, after ``step``; its random stream is
-        its own (seed, step), never the training key."""
+        """mean@k and best@k on the held-out prompts, after ``step``; with ``data.eval_sets``,
+        Mean@k and pass@k of each set sampled at the rollout's schedule and dense
+        (:func:`~sparrow_jax.rl.evaluation.evaluate_held_out`). Its random stream is its own
+        (seed, step), never the training key."""
         k = self.config.eval_samples
         key = jax.random.fold_in(jax.random.fold_in(jax.random.key(self.config.seed),
                                                     _EVAL_STREAM), step)
 
-        def sample_fn(prompts, k_):
-            nonlocal key
-            key, sub = jax.random.split(key)
-            return responses_of(self._rollout(prompts, sub, k_))
+        def sampler(dense):
+            def sample_fn(prompts, k_):
+                nonlocal key
+                key, sub = jax.random.split(key)
+                return responses_of(self._rollout(prompts, sub, k_, dense=dense))
+            return sample_fn
+
+        if self.eval_sets:
+            samplers = {"sparse": sampler(False), "dense": sampler(True)}
+            if self.schedule is None:
+                del samplers["sparse"]
+            score = functools.partial(score_batch_with_metrics, self.reward_fn,
+                                      **self.reward_context)
+            return evaluate_held_out(samplers, self.eval_sets, score, k,
+                                     batch_size=self.config.data.prompts_per_step)
+        sample_fn = sampler(False)
 
         def reward(p, r, a):
             return self.reward_fn(p, r, a, **self.reward_context)
