@@ -73,19 +73,27 @@ def _split(n: int, parts: int) -> int:
 def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_batch_size: int,
                      seq_len: int, response_len: int, compute_bytes: int = 2,
                      chunk_size: int = 1024, remat: bool = True,
-                     flash_attention: bool = False) -> int:
+                     flash_attention: bool = False, attention_copies: int = 4) -> int:
     """One micro-batch of ``micro_batch_size`` rows of ``seq_len`` tokens (``response_len``
     scored by the LM head) through the update's forward and backward, per device.
 
     With ``remat`` each layer keeps only its input (``[b, T, d]``) for the backward and one layer
     at a time holds its internals; without, every layer holds them. A layer's internals: normed
     input, q/k/v, attention output, MLP gate, up, activation and product, once (their gradients
-    take their place as the backward walks back), and the attention matrix ``[b, H, T, T]`` four
-    times in float32 (scores, probabilities and both gradients: XLA's attention; a flash kernel
-    keeps none, so with ``flash_attention``, cuDNN's path on GPU, only its float32 softmax
-    statistics ``[b, H, T]`` count). The LM head holds the response hidden states and a
-    ``[chunk, V]`` float32 block of logits, log-probs and probabilities at a time.
-    ``b`` is the micro-batch's rows on one device (split over data x fsdp when that divides).
+    take their place as the backward walks back), and the attention matrix ``[b, H, T, T]``
+    ``attention_copies`` times in float32 (XLA's attention; a flash kernel keeps none, so with
+    ``flash_attention``, cuDNN's path on GPU, only its float32 softmax statistics ``[b, H, T]``
+    count).
+
+    How many attention-sized arrays are live at the backward's peak is XLA's scheduling choice:
+    the probabilities and both gradients (3) always, the scores or a transposed copy of one of
+    them sometimes (4). On the same model and micro-batch XLA:CPU kept 4 on 1 and 8 devices and
+    3 on every 2-device mesh, and an H200 ~3.4 at tensor=2 (tests/test_sharding.py): the
+    default 4 is the upper end, what a fit check needs; 3 gives the lower end of the range.
+
+    The LM head holds the response hidden states and a ``[chunk, V]`` float32 block of logits,
+    log-probs and probabilities at a time. ``b`` is the micro-batch's rows on one device (split
+    over data x fsdp when that divides).
     """
     batch_split = axis_sizes.get("data", 1) * axis_sizes.get("fsdp", 1)
     b = _split(micro_batch_size, batch_split)
@@ -95,7 +103,8 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
     q_width = _split(config.num_attention_heads * config.head_dim, t)
     kv_width = _split(config.num_key_value_heads * config.head_dim, t)
     ffn = _split(config.intermediate_size, t)
-    attention = b * heads * T * 4 if flash_attention else 4 * b * heads * T * T * 4
+    attention = (b * heads * T * 4 if flash_attention
+                 else attention_copies * b * heads * T * T * 4)
     layer = b * T * (d + 2 * q_width + 2 * kv_width + 4 * ffn) * c + attention
     kept = b * T * d * c
     layers = config.num_hidden_layers * kept + layer if remat else (
@@ -109,12 +118,14 @@ def memory_per_device(config: ModelConfig, axis_sizes: dict[str, int] | tuple[in
                       micro_batch_size: int, seq_len: int, response_len: int,
                       kv_pages: int = 0, page_size: int = 16, kv_bytes: int = 2,
                       compute_bytes: int = 2, chunk_size: int = 1024,
-                      remat: bool = True, flash_attention: bool = False) -> MemoryEstimate:
+                      remat: bool = True, flash_attention: bool = False,
+                      attention_copies: int = 4) -> MemoryEstimate:
     """Memory per device of a GRPO step on a ``(data, fsdp, tensor)`` mesh.
 
     ``kv_pages``: pages in the pool of one rollout shard (each data x fsdp shard has its own;
     its KV heads are split over ``tensor`` as far as they divide), ``page_size`` tokens each.
     Weights, gradients and AdamW moments are float32 in the parameters' layout.
+    ``attention_copies``: see :func:`activation_bytes` (4: the upper end).
     """
     if not isinstance(axis_sizes, dict):
         axis_sizes = dict(zip(sharding.AXES, axis_sizes))
@@ -129,5 +140,6 @@ def memory_per_device(config: ModelConfig, axis_sizes: dict[str, int] | tuple[in
         activations=activation_bytes(config, axis_sizes, micro_batch_size=micro_batch_size,
                                      seq_len=seq_len, response_len=response_len,
                                      compute_bytes=compute_bytes, chunk_size=chunk_size,
-                                     remat=remat, flash_attention=flash_attention),
+                                     remat=remat, flash_attention=flash_attention,
+                                     attention_copies=attention_copies),
         kv_pages=kv)

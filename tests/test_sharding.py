@@ -295,15 +295,17 @@ def check_memory(shape, b=16, seq=256, resp=128) -> dict:
             graphdef, params, rest, *inputs, jnp.float32(1), response_capacity=resp,
             temperature=1.0, loss_config=UCFG.loss, chunk_size=UCFG.chunk_size, fused_top_k=0,
             remat=True).compile()
-    est = memory_per_device(CFG, shape, micro_batch_size=b, seq_len=seq, response_len=resp,
-                            compute_bytes=4)
+    est, low = (memory_per_device(CFG, shape, micro_batch_size=b, seq_len=seq,
+                                  response_len=resp, compute_bytes=4, attention_copies=copies)
+                for copies in (4, 3))
     g = grads.memory_analysis()
     held = [sum(x.addressable_shards[0].data.nbytes for x in jax.tree.leaves(tree))
             for tree in (params, opt_state)]
     return {"state_held": 2 * held[0] + held[1],
             "state_est": est.weights + est.grads + est.optimizer,
             "grads_xla": g.argument_size_in_bytes + g.output_size_in_bytes + g.temp_size_in_bytes,
-            "grads_est": est.weights + est.grads + est.activations}
+            "grads_est": est.weights + est.grads + est.activations,
+            "grads_est_low": low.weights + low.grads + low.activations}
 
 
 def run_checks() -> dict:
@@ -369,7 +371,11 @@ def test_memory_per_device_within_10_percent_of_xla(report):
     r = report["memory"]
     # weights, grads and moments are exact (up to AdamW's step count)
     assert abs(r["state_held"] - r["state_est"]) <= 0.01 * r["state_held"], r
-    assert abs(r["grads_xla"] - r["grads_est"]) <= 0.10 * r["grads_xla"], r
+    # Activations: XLA keeps 3 or 4 attention-sized float32 arrays alive at the backward's peak
+    # as its schedule falls (3 on 2-device meshes, 4 on 1 and 8 devices on CPU; ~3.4 on an
+    # H200; memory.activation_bytes): its figure within 10% of the estimate's range, whose upper
+    # end (the default, what the dry run's fit check uses) never falls short.
+    assert 0.90 * r["grads_est_low"] <= r["grads_xla"] <= 1.10 * r["grads_est"], r
 
 
 if __name__ == "__main__":
