@@ -306,9 +306,11 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
     """The model as (graphdef, params) for the decode loop, its floating weights in the compute
     dtype; under ``mesh``, replicated on it (cast, then gathered if sharded).
 
-    Every layer casts its weights to the compute dtype at use (docs/design.md, section 1), so a
-    copy cast once gives the same tokens, while each decode step reads half the bytes of
-    float32 masters and a gathered copy holds half the memory."""
+    Every layer casts its weights to the compute dtype at use (docs/design.md, section 1), so
+    the copy holds the very values the layers would compute with, while each decode step reads
+    half the bytes of float32 masters and a gathered copy holds half the memory. (XLA compiles
+    the two programs differently: on a GPU the masters' casts fuse into the matmuls, and the
+    log-probs agree to bfloat16 rounding, not bit for bit.)"""
     graphdef, params = nnx.split(model)
     dtype = jnp.dtype(model.dtype)
     params = jax.tree.map(
