@@ -183,6 +183,17 @@ def opt_state_shardings(optimizer, opt_state, param_shardings, mesh: Mesh):
                                  is_leaf=lambda x: isinstance(x, NamedSharding))
 
 
+def init_opt_state(optimizer, params):
+    """``optimizer.init(params)``; when ``params`` lie on a mesh, the state laid out like them
+    (:func:`opt_state_shardings`), built there rather than gathered on one device."""
+    mesh = mesh_of(params)
+    if mesh is None:
+        return optimizer.init(params)
+    out = opt_state_shardings(optimizer, jax.eval_shape(optimizer.init, params),
+                              state_shardings(params, mesh), mesh)
+    return jax.jit(optimizer.init, out_shardings=out)(params)
+
+
 def shard_model(model, mesh: Mesh):
     """Places every variable of the NNX ``model`` by :data:`PARAM_RULES` on ``mesh`` (in place);
     returns the model."""

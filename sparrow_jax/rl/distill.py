@@ -259,13 +259,7 @@ class DistillUpdater:
 
     def init(self, model) -> Any:
         """The AdamW state of ``model``'s adapter, laid out like the adapter on a mesh."""
-        lora = split_lora(model)[1]
-        mesh = sharding.mesh_of(lora)
-        if mesh is None:
-            return self.optimizer.init(lora)
-        out = sharding.opt_state_shardings(self.optimizer, jax.eval_shape(
-            self.optimizer.init, lora), sharding.state_shardings(lora, mesh), mesh)
-        return jax.jit(self.optimizer.init, out_shardings=out)(lora)
+        return sharding.init_opt_state(self.optimizer, split_lora(model)[1])
 
     def student_logprobs(self, model, batch: DistillBatch, rows: np.ndarray,
                          temperature: float) -> np.ndarray:

@@ -200,13 +200,7 @@ class PolicyUpdater:
     def init(self, model) -> Any:
         """The optimizer state of ``model``'s trainable parameters, laid out like them when the
         model is sharded (every copy of the parameter tree takes the parameters' shardings)."""
-        params = split_model(model)[1]
-        mesh = sharding.mesh_of(params)
-        if mesh is None:
-            return self.optimizer.init(params)
-        out = sharding.opt_state_shardings(self.optimizer, jax.eval_shape(
-            self.optimizer.init, params), sharding.state_shardings(params, mesh), mesh)
-        return jax.jit(self.optimizer.init, out_shardings=out)(params)
+        return sharding.init_opt_state(self.optimizer, split_model(model)[1])
 
     def plan(self, key: jax.Array, num_rows: int) -> list[list[np.ndarray]]:
         """Rows of each mini-batch of each epoch: a fresh random permutation per epoch, cut in
