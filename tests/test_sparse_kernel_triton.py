@@ -148,9 +148,13 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, tuning=TritonDecodeTuning(
     assert lists(buf) == pages
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_kernel_close(as64(out), want, low_precision=dtype == jnp.bfloat16)
-    if ON_GPU:   # the public entry point runs the same launches
-        np.testing.assert_array_equal(np.asarray(out), np.asarray(sparse_decode_triton(
-            q, k, v, table, lengths, budgets, page_size=P, centroids=cent, tuning=tuning)))
+    if ON_GPU:
+        # The public entry point runs the same launches; only the split merge may round
+        # differently (XLA fuses it with the launches inside one jit there; H100: 1 ulp).
+        public = as64(sparse_decode_triton(q, k, v, table, lengths, budgets, page_size=P,
+                                           centroids=cent, tuning=tuning))
+        ulp = 2.0 ** -7 if dtype == jnp.bfloat16 else 2.0 ** -22
+        np.testing.assert_allclose(public, as64(out), rtol=ulp, atol=1e-7)
 
 
 def lists(buf):
