@@ -355,8 +355,10 @@ def decode_chunk(batch: DecodeBatch, graphdef, params, state: LoopState, *,
     config = batch.config
     w = table_width(reach, config.page_size, batch.width, config.table_bucket_pages)
     if state.cache.page_table.shape[1] != w:
-        state = state._replace(cache=state.cache.replace(
-            page_table=batch.put(batch.layout.page_table[:, :w])))
+        # In the old table's sharding, committed as run_chunk's outputs are: jit keys its cache
+        # on that, and an uncommitted table compiled the next chunk at this width again.
+        state = state._replace(cache=state.cache.replace(page_table=jax.device_put(
+            batch.layout.page_table[:, :w], state.cache.page_table.sharding)))
     return run_chunk(graphdef, params, state, batch.budget_values, config.steps_per_call,
                      settings=batch.settings.for_width(batch.bound, w))
 

@@ -68,7 +68,10 @@ def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: 
         for layer, x in enumerate(arrays)) for i, arrays in enumerate(pool)]
     cache = c.replace(k_pages=filled[0], v_pages=filled[1], centroids=filled[2], kmin=filled[3],
                       kmax=filled[4])
-    return batch, graphdef, params, jax.block_until_ready(state._replace(cache=cache))
+    # Committed to the devices they are on, as run_chunk's outputs are: jit keys its cache on
+    # that, and an uncommitted start compiled the first timed chunk a second time.
+    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state._replace(cache=cache))
+    return batch, graphdef, params, jax.block_until_ready(state)
 
 
 @functools.partial(jax.jit, donate_argnums=0)
