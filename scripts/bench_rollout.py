@@ -292,6 +292,8 @@ def phase_profile(args, model, cfg, ceiling, wbytes, out, mesh):
         for r in rows:
             kb = kv_bytes(cfg, batch, int(r["mean_context"]), sched, rc.dense_layers)
             r.update(bytes=wbytes + kb, floor_ms=1e3 * (wbytes + kb) / (ceiling * 1e9))
+            if sched is not None:   # what `sparrow calibrate`'s step_times file reads
+                r["budget_pages"] = int(sched.budget_pages(int(r["mean_context"])))
         total = integrate(rows, 1, args.max_new)
         out["modes"][mode] = dict(rows=rows, integrated_s=total,
                                   tokens_per_s=batch * args.max_new / total,

@@ -42,6 +42,8 @@ _EXPORTS = {
     "sparse_logprobs": "sparrow_jax.sparse_actor",
     "CalibrateConfig": "sparrow_jax.calibrate",
     "load_calibrate_config": "sparrow_jax.calibrate",
+    "load_step_times": "sparrow_jax.step_times",
+    "measured_speedup": "sparrow_jax.step_times",
     # rollout
     "generate": "sparrow_jax.rollout.engine",
     "RolloutConfig": "sparrow_jax.rollout.engine",

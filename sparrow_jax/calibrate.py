@@ -8,7 +8,8 @@ schedule on held-out prompts, alpha from the rollouts' recorded top-k against th
 (``exact``: the teacher-forced forward at the schedule's budgets, since rollouts keep only the
 top-k); a bin whose tail misses the target is raised to the next candidate budget (then a
 cumulative max) and the schedule validated again, at most ``validation_rounds`` times in all.
-Cost: the per-step cost model's speedup of the schedule over dense decoding.
+Cost: the per-step cost model's speedup of the schedule over dense decoding, and with
+``step_times`` the speedup measured decode-step times predict (:mod:`sparrow_jax.step_times`).
 
 Writes ``OUT/schedule.yaml`` (:meth:`BudgetSchedule.to_yaml`), ``OUT/calibration.json`` and PNG
 plots (``calibration.png``, ``alpha_tail.png``, ``alpha_hist.png``).
@@ -50,6 +51,11 @@ class CalibrateConfig:
       ``topk_bound``/``paper`` (and of the rollouts' recorded log-probs).
     validation_rounds: sparse validations at most (each may raise the bins that miss).
     intensity: the cost model's FLOP-equivalents per element moved (590: an H100 in bfloat16).
+    step_times: a step-time file measured on the target device (:mod:`sparrow_jax.step_times`:
+      dense and sparse decode-step times, e.g. ``scripts/bench_rollout.py --phase profile``'s
+      JSON); when given, the schedule's measured speedup is reported beside the cost model's.
+      It must come from the same model shape (a demo model's schedule against a 1.7B profile
+      says little).
     """
 
     model: str = ""
@@ -75,6 +81,7 @@ class CalibrateConfig:
     top_k: int = 20
     validation_rounds: int = 3
     intensity: float = 590.0
+    step_times: str = ""
     batch_size: int = 16
     gen_prompts: int = 64
     seed: int = 0
@@ -115,6 +122,12 @@ class CalibrateConfig:
             raise ConfigError(f"intensity: must be >= 0, got {self.intensity}")
         if not self.out_dir:
             raise ConfigError("out_dir: must name a folder, got ''")
+        if self.step_times:   # read now: a bad file fails before any model work
+            from sparrow_jax.step_times import load_step_times
+            try:
+                load_step_times(self.step_times).sparse_fit(self.page_size)
+            except ValueError as e:
+                raise ConfigError(f"step_times: {e}") from None
 
 
 def load_calibrate_config(path: str | Path, **overrides) -> CalibrateConfig:
@@ -318,6 +331,12 @@ def calibrate(c: CalibrateConfig) -> dict:
     dense_cost = cost.rollout_cost(prompt_len, gen_len, c.n)
     sparse_cost = cost.rollout_cost(prompt_len, gen_len, c.n, schedule)
 
+    timed = None
+    if c.step_times:
+        from sparrow_jax.step_times import load_step_times, measured_speedup
+
+        timed = measured_speedup(load_step_times(c.step_times), schedule, prompt_len, gen_len,
+                                    page_size=c.page_size)
     pl = ro["prompt_lengths"]
     result = {
         "command": "sparrow calibrate",
@@ -341,7 +360,7 @@ def calibrate(c: CalibrateConfig) -> dict:
         "schedule": schedule.to_dict(),
         "cost": {"prompt_tokens": prompt_len, "response_tokens": gen_len, "samples": c.n,
                  "intensity": c.intensity, "dense": dense_cost, "schedule": sparse_cost,
-                 "speedup": round(dense_cost / sparse_cost, 4)},
+                 "speedup": round(dense_cost / sparse_cost, 4), "measured": timed},
         "seconds": round(time.perf_counter() - t0, 2),
     }
     out = Path(c.out_dir)
@@ -390,6 +409,13 @@ def format_report(result: dict) -> str:
     lines.append(f"cost model: {result['cost']['speedup']:.3f}x cheaper than dense "
                  f"({result['cost']['prompt_tokens']} + {result['cost']['response_tokens']} "
                  f"tokens, n = {result['cost']['samples']}, I = {result['cost']['intensity']})")
+    measured = result["cost"].get("measured")
+    if measured:
+        lines.append(f"measured: {measured['speedup']:.3f}x faster than dense (step times from "
+                     f"{measured['file']}, batch {measured['batch']}; sparse fit within "
+                     f"{100 * measured['fit_residual']:.1f}%"
+                     + ("; lengths outside the measured contexts" if measured["extrapolated"]
+                        else "") + ")")
     return "\n".join(lines)
 
 
@@ -425,7 +451,9 @@ def plot_calibration(result: dict, path: Path) -> Path:
     right.step(centres, result["schedule"]["table"], where="mid", label="final")
     right.set_xlabel("sequence length (bin centre, tokens)")
     right.set_ylabel("top-k pages (reserved excluded)")
-    right.set_title(f"cost model: {result['cost']['speedup']:.2f}x vs dense", fontsize=10)
+    measured = result["cost"].get("measured")
+    right.set_title(f"cost model: {result['cost']['speedup']:.2f}x vs dense"
+                    + (f", measured {measured['speedup']:.2f}x" if measured else ""), fontsize=10)
     right.legend(fontsize=8)
     right.grid(alpha=0.3)
     fig.tight_layout()

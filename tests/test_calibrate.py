@@ -46,12 +46,22 @@ def _config(tmp, **edits) -> dict:
             "batch_size": 4, "validation_rounds": 2, "out_dir": str(tmp / "out"), **edits}
 
 
+# Step times in ms that follow known laws (dense 2 + 0.05 * context; sparse 2 + 0.01 * context
+# + 0.04 * read), so the measured speedup can be summed by hand.
+STEP_TIMES = {"batch": 8,
+              "dense": [{"context": c, "step_ms": 2 + 0.05 * c} for c in (8, 64, 128)],
+              "sparse": [{"context": c, "budget_pages": b, "step_ms": 2 + 0.01 * c + 0.04 * min(
+                  c, b * P)} for c, b in ((16, 3), (64, 5), (128, 12), (96, 16))]}
+
+
 @pytest.fixture(scope="module")
 def run(tmp_path_factory, model):
     tmp = tmp_path_factory.mktemp("calibrate")
     save_qwen3(model, tmp / "model")
     path = tmp / "cal.yaml"
-    path.write_text(yaml.safe_dump(_config(tmp)))
+    steps = tmp / "steps.json"
+    steps.write_text(json.dumps(STEP_TIMES))
+    path.write_text(yaml.safe_dump(_config(tmp, step_times=str(steps))))
     out = io.StringIO()
     with contextlib.redirect_stdout(out):        # capsys is per test; this fixture is not
         rc = main(["calibrate", "--config", str(path), "--no-progress"])
@@ -113,6 +123,23 @@ def test_validation_is_recorded_and_printed(run):
         assert (t is not None and t < TARGET) == (i in last["missed_bins"])
     assert "held-out" in stdout and ("meets the target" in stdout or "misses" in stdout)
     assert result["cost"]["speedup"] > 0 and "cheaper than dense" in stdout
+
+
+def test_measured_speedup_from_the_step_time_file(run):
+    """The schedule's decode steps summed under the file's laws, by hand."""
+    rc, stdout, out = run
+    result = json.loads((out / "calibration.json").read_text())
+    cost, schedule = result["cost"], BudgetSchedule.from_yaml(out / "schedule.yaml")
+    lengths = np.arange(cost["prompt_tokens"] + 1,
+                        cost["prompt_tokens"] + cost["response_tokens"] + 1)
+    budget = np.asarray(schedule.budget_pages(lengths))
+    dense = 2 + 0.05 * lengths
+    sparse = np.where(-(-lengths // P) <= budget, dense,
+                      2 + 0.01 * lengths + 0.04 * np.minimum(lengths, budget * P))
+    measured = cost["measured"]
+    assert measured["speedup"] == pytest.approx(dense.sum() / sparse.sum(), abs=1e-4)
+    assert measured["fit_residual"] < 1e-9   # (the hand-worked sparse sums: test_step_times.py)
+    assert f"measured: {measured['speedup']:.3f}x faster than dense" in stdout
 
 
 def test_raise_missed_bins_steps_one_candidate():
@@ -180,6 +207,7 @@ BAD = [
     ({"preset": "tiny"}, ["model", "preset", "exactly one"]),
     ({"n": "two"}, ["n", "'two'"]),
     ({"temperature": 0}, ["temperature", "0"]),
+    ({"step_times": "/nonexistent/steps.json"}, ["step_times", "no file /nonexistent"]),
 ]
 
 

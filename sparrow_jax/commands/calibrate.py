@@ -1,6 +1,7 @@
 """``sparrow calibrate --config CAL.yaml``: a budget schedule measured for a model and prompt set
 (:mod:`sparrow_jax.calibrate`): dense rollouts, the tail per (bin, budget), the search, validation
-by sparse rollouts on held-out prompts, the cost model's speedup.
+by sparse rollouts on held-out prompts, the cost model's speedup and, given ``step_times``, the
+measured one.
 
 Here ``--config`` is a :class:`~sparrow_jax.calibrate.CalibrateConfig` as YAML; ``--out-dir`` and
 ``--no-progress`` override it.
