@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from reference_np import teacher_forced_np
+from reference_np import assert_kernel_close, teacher_forced_np
 from sparrow_jax.attention.dense import causal_attention
 from sparrow_jax.attention.sparse import sparse_decode
 from sparrow_jax.attention.teacher_forced import (TeacherForcedBudgets,
@@ -45,6 +45,22 @@ def test_layer_matches_numpy_token_by_token(scorer):
     changed = np.abs(dense - want).max(axis=(2, 3)) > 1e-3
     assert changed[:, 20:].mean() > 0.5
     assert not changed[0, :5].any()  # prompt positions are dense
+
+
+def test_bfloat16_matches_numpy_on_the_same_values():
+    """bfloat16 inputs (the accelerator dtype): bfloat16 products in a float32 accumulator, the
+    probabilities rounded to bfloat16 for P.V as in the decode kernels; against the float64
+    reference on the same (rounded) values."""
+    rng = np.random.default_rng(2)
+    q, k, v, budgets = _layer_case(rng)
+    q, k, v = (jnp.asarray(x, jnp.bfloat16) for x in (q, k, v))
+    prompts = np.array([5, 1], np.int32)
+    got = teacher_forced_sparse_attention(q, k, v, jnp.asarray(budgets), jnp.asarray(prompts),
+                                          page_size=P, chunk_size=8)
+    assert got.dtype == jnp.bfloat16
+    want = teacher_forced_np(*(np.asarray(x, np.float64) for x in (q, k, v)), budgets, prompts,
+                             page_size=P, scorer="centroid")
+    assert_kernel_close(np.asarray(got, np.float64), want, low_precision=True)
 
 
 def _tiny_config():

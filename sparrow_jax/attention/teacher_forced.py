@@ -138,6 +138,11 @@ def _attention(q, k, v, budget_pages, prompt_lengths, *, page_size, scorer, chun
     v_h = v.transpose(0, 2, 1, 3)
     token_page = jnp.arange(t, dtype=jnp.int32) // page_size
     acc = jnp.promote_types(q.dtype, jnp.float32)  # float32, or float64 when checking gradients
+    # Products of bfloat16 values are exact in a float32 accumulator, so HIGHEST (full float32
+    # passes) buys nothing there but time; probabilities meet v in v's dtype, as the GPU decode
+    # kernel computes them (a float32 p @ v cannot use bfloat16 tensor cores).
+    low = jnp.dtype(jnp.promote_types(q.dtype, k.dtype)).itemsize < 4
+    precision = lax.Precision.DEFAULT if low else lax.Precision.HIGHEST
 
     @jax.checkpoint
     def chunk(args):
@@ -150,12 +155,13 @@ def _attention(q, k, v, budget_pages, prompt_lengths, *, page_size, scorer, chun
         pages = selection.select_pages(scores, n[None, None, :], bud[:, None, :])  # [B,Hkv,C,M]
         visible = jnp.take(pages, token_page, axis=-1)                # [B, Hkv, C, T]
         visible &= jnp.arange(t)[None, :] <= pos[:, None]                # causal
-        logits = jnp.einsum("bhcrd,bhtd->bhcrt", qc, k_h, precision=lax.Precision.HIGHEST,
+        logits = jnp.einsum("bhcrd,bhtd->bhcrt", qc, k_h, precision=precision,
                             preferred_element_type=acc) * (d ** -0.5)
         logits = jnp.where(visible[:, :, :, None, :], logits, -jnp.inf)
         probs = jax.nn.softmax(logits, axis=-1)
-        return jnp.einsum("bhcrt,bhtd->bhcrd", probs, v_h.astype(acc),
-                          precision=lax.Precision.HIGHEST)
+        return jnp.einsum("bhcrt,bhtd->bhcrd", probs.astype(v_h.dtype if low else acc),
+                          v_h.astype(v_h.dtype if low else acc), precision=precision,
+                          preferred_element_type=acc)
 
     out = lax.map(chunk, (q_c, positions, budget))                  # [nc, B, Hkv, C, r, D]
     out = out.transpose(1, 0, 3, 2, 4, 5).reshape(b, num_chunks * chunk_size, hq, d)
