@@ -48,6 +48,21 @@ def test_matches_full_logits(chunk, temperature):
                                rtol=0, atol=2e-5)
     np.testing.assert_allclose(out.entropy, ref["entropy"], rtol=0, atol=2e-5)
     assert out.logprobs.dtype == jnp.float32 and out.topk_ids.dtype == jnp.int32
+    assert out.gathered_logprobs is None
+
+
+@pytest.mark.parametrize("remat", [True, False])
+def test_gathered_logprobs_match_full_logits(remat):
+    """Log-probs at given ids per position (the recompute's view of the actor's top-k)."""
+    h, w, ids = _data(1)
+    gather = np.random.default_rng(2).integers(0, V, size=(B, T, 4)).astype(np.int32)
+    out = head_outputs(jnp.asarray(h), jnp.asarray(w), temperature=0.8, gather_ids=gather,
+                       chunk_size=5, remat=remat)
+    ref = _np_reference(h, w, ids, 0.8)
+    np.testing.assert_allclose(out.gathered_logprobs,
+                               np.take_along_axis(ref["logp"], gather, -1), rtol=0, atol=2e-5)
+    with pytest.raises(ValueError, match="gather_ids must be"):
+        head_outputs(jnp.asarray(h), jnp.asarray(w), gather_ids=gather[:, :3])
 
 
 def test_outputs_not_requested_are_none():

@@ -23,7 +23,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax import sharding
-from sparrow_jax.models.lm_head import map_positions, scaled_logits
+from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.rollout.types import Rollout
 
 
@@ -67,32 +67,16 @@ class DenseStats(NamedTuple):
     entropy: jax.Array              # [S, R]
 
 
-def _head_stats(h, w, ids, actor_ids, temperature, top_k, chunk_size):
-    """h ``[N, d]``, ids ``[N]``, actor_ids ``[N, k]`` -> per-position stats, one ``[chunk, V]``
-    block of logits alive at a time."""
-    def body(hc, idc, ac):
-        logits = scaled_logits(hc, w, temperature)
-        logp = logits - jax.nn.logsumexp(logits, axis=-1, keepdims=True)
-        lp = jnp.take_along_axis(logp, idc[:, None], axis=-1)[:, 0]
-        actor_lp = jnp.take_along_axis(logp, ac, axis=-1)
-        tk_lp, tk_ids = jax.lax.top_k(logp, top_k)
-        ent = -jnp.sum(jnp.exp(logp) * logp, axis=-1)
-        return lp, actor_lp, tk_ids.astype(jnp.int32), tk_lp, ent
-
-    # Not differentiated (stop-gradient inputs): no remat needed.
-    return map_positions(body, (h, ids, actor_ids), chunk_size=chunk_size, remat=False)
-
-
 def stats_from_hidden(h: jax.Array, head_weight: jax.Array, ids: jax.Array,
                       actor_topk_ids: jax.Array, temperature: float, top_k: int,
                       chunk_size: int) -> DenseStats:
     """h ``[B, R, d]`` (from :func:`response_hidden`), ids ``[B, R]``, actor_topk_ids
     ``[B, R, k]`` -> :class:`DenseStats` ``[B, R, ...]`` (not differentiated)."""
-    b, r, k = actor_topk_ids.shape
     h, head_weight = jax.lax.stop_gradient(h), jax.lax.stop_gradient(head_weight)
-    outs = _head_stats(h.reshape(b * r, -1), head_weight, ids.reshape(-1),
-                       actor_topk_ids.reshape(b * r, k), temperature, top_k, chunk_size)
-    return DenseStats(*(o.reshape(b, r, *o.shape[1:]) for o in outs))
+    out = head_outputs(h, head_weight, ids, temperature=temperature, top_k=top_k, entropy=True,
+                       gather_ids=actor_topk_ids, chunk_size=chunk_size, remat=False)
+    return DenseStats(out.logprobs, out.gathered_logprobs, out.topk_ids, out.topk_logprobs,
+                      out.entropy)
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("response_capacity",
@@ -166,24 +150,33 @@ def micro_shapes(host: HostRollout, rows: np.ndarray, length_multiple: int) -> t
             round_up(host.response_lengths[rows].max(), length_multiple))
 
 
-def empty_stats(num_rows: int, response_capacity: int, k: int, top_k: int) -> DenseStats:
-    """Zero-filled host :class:`DenseStats`, to be filled row by row."""
-    s, r = num_rows, response_capacity
-    return DenseStats(np.zeros((s, r), np.float32), np.zeros((s, r, k), np.float32),
+def assemble_rows(shape: tuple[int, int, int, int], parts, response_lengths: np.ndarray
+                  ) -> DenseStats:
+    """Micro-batch results -> host :class:`DenseStats` of ``shape = (S, R, k, top_k)``.
+
+    parts: ``(rows, out)`` pairs, ``out`` a micro-batch's stats whose first ``len(rows)`` rows
+    answer rows ``rows`` (padding rows after them are dropped). Zero past each response
+    (``response_lengths [S]``) and on rows no part holds."""
+    s, r, k, top_k = shape
+    into = DenseStats(np.zeros((s, r), np.float32), np.zeros((s, r, k), np.float32),
                       np.zeros((s, r, top_k), np.int32), np.zeros((s, r, top_k), np.float32),
                       np.zeros((s, r), np.float32))
+    for rows, out in parts:
+        keep = min(r, out.logprobs.shape[1])
+        valid = np.arange(keep)[None, :] < response_lengths[rows][:, None]
+        for dst, src in zip(into, out):
+            src = np.asarray(src)[:len(rows), :keep]
+            dst[rows, :keep] = np.where(valid.reshape(valid.shape + (1,) * (src.ndim - 2)), src,
+                                        0)
+    return into
 
 
-def fill_rows(into: DenseStats, rows: np.ndarray, out: DenseStats,
-              response_lengths: np.ndarray) -> None:
-    """Writes the first ``len(rows)`` rows of the micro-batch result ``out`` into rows ``rows`` of
-    the host stats ``into``, zero past each response (padding rows of ``out`` are dropped)."""
-    r = into.logprobs.shape[1]
-    keep = min(r, out.logprobs.shape[1])
-    valid = np.arange(keep)[None, :] < response_lengths[rows][:, None]
-    for dst, src in zip(into, out):
-        src = np.asarray(src)[:len(rows), :keep]
-        dst[rows, :keep] = np.where(valid.reshape(valid.shape + (1,) * (src.ndim - 2)), src, 0)
+def merge_rows(base: DenseStats, other: DenseStats, rows: np.ndarray) -> DenseStats:
+    """``base`` with rows ``rows`` taken from ``other`` (same layout), as new arrays."""
+    take = np.zeros(base.logprobs.shape[0], bool)
+    take[rows] = True
+    return DenseStats(*(np.where(take.reshape((-1,) + (1,) * (b.ndim - 1)), o, b)
+                        for b, o in zip(base, other)))
 
 
 def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray | None = None,
@@ -200,7 +193,6 @@ def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray |
                          f"{temperature}")
     host = HostRollout.of(rollout)
     s, r = host.logprobs.shape
-    stats = empty_stats(s, r, host.topk_ids.shape[2], top_k)
     graphdef, state = nnx.split(model)
     mesh = sharding.mesh_of(state)
 
@@ -211,6 +203,7 @@ def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray |
             x, sharding.batch_sharding(mesh, x.shape))
 
     rows = np.arange(s) if rows is None else np.asarray(rows)
+    parts = []
     for micro in plan_micro_batches(rows, host.total_lengths, micro_batch_size):
         t_len, r_len = micro_shapes(host, micro, length_multiple)
         mb = gather_rows(micro, micro_batch_size,
@@ -221,5 +214,5 @@ def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray |
                                    put(mb["topk_ids"]), response_capacity=r_len,
                                    temperature=float(temperature), top_k=top_k,
                                    chunk_size=chunk_size)
-        fill_rows(stats, micro, out, host.response_lengths)
-    return stats
+        parts.append((micro, jax.device_get(out)))
+    return assemble_rows((s, r, host.topk_ids.shape[2], top_k), parts, host.response_lengths)

@@ -60,7 +60,7 @@ from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
 from sparrow_jax.rl.distill import DistillBatch, DistillUpdater, SparseRule
 from sparrow_jax.rl.interrupt import StepAbandoned, StopSignals, TrainingInterrupted
-from sparrow_jax.rl.recompute import DenseStats, recompute
+from sparrow_jax.rl.recompute import DenseStats, merge_rows, recompute
 from sparrow_jax.rl.evaluation import evaluate_held_out
 from sparrow_jax.rl.rewards import get_reward, score_batch_with_metrics
 from sparrow_jax.rl.run_dir import RunDirError, check_resume, prepare_fresh
@@ -381,8 +381,7 @@ class Trainer:
                 self.model, self.opt_state, batch, plan, temperature, self.step,
                 fuse_top_k=cfg.mismatch.top_k if u.fuse_recompute else 0)
         if fused is not None:
-            for d, f in zip(dense, fused):
-                d[fused_rows] = f[fused_rows]
+            dense = merge_rows(dense, fused, fused_rows)
         if self.distill is not None:
             update_metrics.update(self._distill_step(before, rollout, dense, advantages, plan,
                                                      timer))

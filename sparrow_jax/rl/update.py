@@ -35,7 +35,7 @@ from sparrow_jax import sharding
 from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import grpo_loss
-from sparrow_jax.rl.recompute import (DenseStats, empty_stats, fill_rows, gather_rows,
+from sparrow_jax.rl.recompute import (DenseStats, assemble_rows, gather_rows,
                                      plan_micro_batches, response_hidden, response_tokens,
                                      round_up, stats_from_hidden)
 
@@ -143,7 +143,7 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
     if fuse_top_k:
         if batch.actor_topk_ids is None:
             raise ValueError("a fused recompute needs the rollout's actor_topk_ids in the batch")
-        fused = empty_stats(*batch.logp_old.shape, batch.actor_topk_ids.shape[2], fuse_top_k)
+        fused = []
     total = batch.prompt_lengths + batch.response_lengths
     r_cap = batch.logp_old.shape[1]
     mask_all = np.arange(r_cap)[None, :] < batch.response_lengths[:, None]
@@ -172,10 +172,13 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
                 fused_top_k=fuse_top_k,
                 remat=config.remat)
         if fused is not None:
-            fill_rows(fused, micro, stats, batch.response_lengths)
+            fused.append((micro, jax.device_get(stats)))
         grads = g if grads is None else _add(grads, g)
         for k, v in m.items():
             sums[k] = sums.get(k, 0.0) + float(v)
+    if fused is not None:
+        fused = assemble_rows((*batch.logp_old.shape, batch.actor_topk_ids.shape[2], fuse_top_k),
+                              fused, batch.response_lengths)
     return grads, sums, fused
 
 
