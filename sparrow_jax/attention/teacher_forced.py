@@ -2,9 +2,19 @@
 
 Every position i attends through its own block top-k selection over its causal prefix, with
 ``lengths = i + 1`` and that position's budget, exactly as the decode step that consumed token i
-did; prompt positions attend densely as prefill did. Positions are computed in parallel, in query
-chunks: a chunk's ``[chunk, T]`` scores are the largest intermediate, so memory grows linearly in
-T, and each chunk is rematerialised in the backward pass so its scores are never stored.
+did; prompt positions attend densely as prefill did.
+
+Two implementations of one contract (``impl``):
+
+* ``"xla"``: positions in query chunks; a chunk's ``[chunk, T]`` scores are the largest
+  intermediate, so memory grows linearly in T, and each chunk is rematerialised in the backward
+  pass so its scores are never stored. Runs anywhere, in any float dtype (float64 for gradient
+  checks); it is the reference of the kernel.
+* ``"pallas"``: the selection as above (as ``[chunk, M]`` page masks, packed to bits), then
+  :mod:`pallas_kernels.teacher_forced_gpu`'s flash attention under that mask, forward and
+  backward: no score tensor in memory, key blocks no query of a block selected are skipped.
+
+``"auto"``: the kernel on GPU (head_dim a power of two >= 16), XLA elsewhere.
 """
 
 from __future__ import annotations
@@ -23,6 +33,17 @@ from sparrow_jax.attention.dense import causal_attention
 
 # Query chunks are grouped by how far back they can see (see _attention).
 CAUSAL_GROUPS = 4
+IMPLS = ("auto", "xla", "pallas")
+
+
+def resolve_impl(impl: str, head_dim: int, platform: str | None = None) -> str:
+    """The implementation ``impl`` runs on ``platform`` (default: jax's backend)."""
+    if impl not in IMPLS:
+        raise ValueError(f"unknown teacher-forced attention impl {impl!r}; known: {IMPLS}")
+    if impl != "auto":
+        return impl
+    fits = head_dim >= 16 and not head_dim & (head_dim - 1)
+    return "pallas" if fits and (platform or jax.default_backend()) == "gpu" else "xla"
 
 
 class TeacherForcedBudgets(NamedTuple):
@@ -41,25 +62,41 @@ class TeacherForcedBudgets(NamedTuple):
 def teacher_forced_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                     budget_pages: jax.Array, prompt_lengths: jax.Array, *,
                                     page_size: int = 16, scorer: str = "centroid",
-                                    chunk_size: int = 128) -> jax.Array:
+                                    chunk_size: int = 128, impl: str = "auto",
+                                    tuning=None, interpret: bool = False) -> jax.Array:
     """q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` (after norms and RoPE), budget_pages ``[B, T]``,
     prompt_lengths ``[B]`` -> ``[B, T, Hq, D]`` in q's dtype.
 
     Equals the decode step run token by token on a paged cache holding these keys and values.
     Differentiable with respect to q, k and v (the selection itself is piecewise constant).
     Budgets below 3 at response positions raise when concrete; traced ones act as 3.
+    ``chunk_size`` bounds memory: ``[chunk, T]`` scores (xla) or ``[chunk * page_size, M]``
+    selection masks (pallas). ``tuning``: the kernel's
+    :class:`~pallas_kernels.teacher_forced_gpu.TeacherForcedTuning` (None: its defaults);
+    ``interpret`` runs the kernel in Pallas' interpreter (CPU tests).
     """
     _check(q, k, v, budget_pages, prompt_lengths, page_size, scorer, chunk_size)
-    return _attention(q, k, v, budget_pages.astype(jnp.int32), prompt_lengths.astype(jnp.int32),
+    budget_pages = budget_pages.astype(jnp.int32)
+    prompt_lengths = prompt_lengths.astype(jnp.int32)
+    if resolve_impl(impl, q.shape[-1]) == "pallas":
+        from pallas_kernels.teacher_forced_gpu import TeacherForcedTuning
+
+        tuning = tuning or TeacherForcedTuning()
+        tuning.check(page_size)
+        return _kernel_attention(q, k, v, budget_pages, prompt_lengths, page_size=page_size,
+                                 scorer=scorer, chunk_size=chunk_size * page_size,
+                                 tuning=tuning, interpret=interpret)
+    return _attention(q, k, v, budget_pages, prompt_lengths,
                       page_size=page_size, scorer=scorer, chunk_size=min(chunk_size, q.shape[1]))
 
 
 def make_teacher_forced_attend(*, page_size: int = 16, scorer: str = "centroid",
-                               dense_layers: tuple[int, ...] = (0, 1), chunk_size: int = 128):
+                               dense_layers: tuple[int, ...] = (0, 1), chunk_size: int = 128,
+                               impl: str = "auto", tuning=None):
     """An :data:`~sparrow_jax.models.qwen3.AttendFn` for ``model.forward(tokens, attend=...,
     state=TeacherForcedBudgets(budget_pages, prompt_lengths))``: sparse teacher-forced attention
-    in every layer but ``dense_layers``, which attend causally and densely. The state passes
-    through unchanged."""
+    (``impl``, ``tuning`` as in :func:`teacher_forced_sparse_attention`) in every layer but
+    ``dense_layers``, which attend causally and densely. The state passes through unchanged."""
     dense_layers = tuple(int(x) for x in dense_layers)
 
     def attend(layer: int, q, k, v, state: TeacherForcedBudgets):
@@ -70,7 +107,8 @@ def make_teacher_forced_attend(*, page_size: int = 16, scorer: str = "centroid",
             return causal_attention(q, k, v), state
         out = teacher_forced_sparse_attention(q, k, v, state.budget_pages, state.prompt_lengths,
                                               page_size=page_size, scorer=scorer,
-                                              chunk_size=chunk_size)
+                                              chunk_size=chunk_size, impl=impl,
+                                              tuning=tuning)
         return out, state
 
     return attend
@@ -105,6 +143,59 @@ def _check(q, k, v, budget_pages, prompt_lengths, page_size, scorer, chunk_size)
             f"budget_pages must be >= {selection.MIN_BUDGET_PAGES} at response positions (fill "
             f"padding with any budget >= 3); e.g. sequence {b_} position {i_} has "
             f"{budgets[b_, i_]}")
+
+
+def _selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size):
+    """The page masks of every query, packed for the kernel: q ``[B, T, Hq, D]``, k ``[B, T,
+    Hkv, D]`` with T a whole number of pages -> ``[B, Hkv, W, T]`` int32
+    (:func:`pallas_kernels.teacher_forced_gpu.page_words`), computed ``chunk_size`` queries at a
+    time. Positions before ``prompt_lengths`` see every page of their prefix."""
+    from pallas_kernels.teacher_forced_gpu import page_words
+
+    b, t, hq, d = q.shape
+    hkv = k.shape[2]
+    m = t // page_size
+    summaries = _page_summaries(k, page_size, scorer)
+    chunk = min(chunk_size, t)
+    num_chunks = -(-t // chunk)
+    pad = num_chunks * chunk - t
+    q_c = lax.stop_gradient(jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))))
+    q_c = q_c.reshape(b, num_chunks, chunk, hkv, hq // hkv, d).transpose(1, 0, 3, 2, 4, 5)
+    positions = jnp.arange(num_chunks * chunk, dtype=jnp.int32)
+    budget = jnp.pad(budget_pages, ((0, 0), (0, pad)), constant_values=m)
+    budget = jnp.where(positions[None, :] < prompt_lengths[:, None], m, budget)
+    budget = budget.reshape(b, num_chunks, chunk).transpose(1, 0, 2)
+
+    def chunk_words(args):
+        qc, pos, bud = args                          # [B, Hkv, C, r, D], [C], [B, C]
+        if scorer == "centroid":
+            scores = selection.centroid_scores(qc, summaries[0][:, :, None])
+        else:
+            scores = selection.quest_scores(qc, summaries[0][:, :, None], summaries[1][:, :, None])
+        n = selection.num_pages(pos + 1, page_size)
+        return page_words(selection.select_pages(scores, n[None, None, :], bud[:, None, :]))
+
+    words = lax.map(chunk_words, (q_c, positions.reshape(num_chunks, chunk), budget))
+    words = words.transpose(1, 2, 3, 0, 4).reshape(b, hkv, words.shape[3], num_chunks * chunk)
+    return words[..., :t]
+
+
+@functools.partial(jax.jit, static_argnames=("page_size", "scorer", "chunk_size", "tuning",
+                                             "interpret"))
+def _kernel_attention(q, k, v, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size,
+                      tuning, interpret):
+    from pallas_kernels.teacher_forced_gpu import page_masked_attention
+
+    t = q.shape[1]
+    pad = -t % tuning.multiple
+    # Padded queries see their whole prefix (their budget is every page); their outputs are cut
+    # off, and no real query sees the padded keys after it.
+    q_p, k_p, v_p = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
+    budget = jnp.pad(budget_pages, ((0, 0), (0, pad)), constant_values=(t + pad) // page_size)
+    words = _selection_words(q_p, k_p, budget, prompt_lengths, page_size=page_size,
+                             scorer=scorer, chunk_size=chunk_size)
+    out = page_masked_attention(q_p, k_p, v_p, words, page_size, tuning, interpret)
+    return out[:, :t]
 
 
 def _page_summaries(k, page_size, scorer):

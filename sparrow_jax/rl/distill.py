@@ -51,17 +51,21 @@ K3_CLIP = 10.0   # per-token cap of the k3 value
 class SparseRule:
     """The rollout's selection rule, which the student replays (from its
     :class:`~sparrow_jax.rollout.engine.RolloutConfig`): page size, scorer, dense layers; and
-    the teacher-forced query chunk (memory only)."""
+    how the teacher-forced attention runs (speed and memory only, never the result): its query
+    chunk, implementation (:func:`~sparrow_jax.attention.teacher_forced.resolve_impl`) and the
+    kernel's block sizes."""
 
     page_size: int = 16
     scorer: str = "centroid"
     dense_layers: tuple[int, ...] = (0, 1)
     query_chunk: int = 128
+    impl: str = "auto"
+    tuning: Any = None    # the kernel's TeacherForcedTuning; None: its defaults
 
     @classmethod
-    def of(cls, rollout_config, query_chunk: int = 128) -> "SparseRule":
+    def of(cls, rollout_config, query_chunk: int = 128, impl: str = "auto") -> "SparseRule":
         return cls(rollout_config.page_size, rollout_config.scorer,
-                   tuple(rollout_config.dense_layers), query_chunk)
+                   tuple(rollout_config.dense_layers), query_chunk, impl)
 
 
 class DistillBatch(NamedTuple):
@@ -108,7 +112,8 @@ def actor_hidden(model, tokens: jax.Array, prompt_lengths: jax.Array, budget_pag
     position attending as the decode step that fed it did; ``lora``: the adapters on."""
     attend = make_teacher_forced_attend(page_size=rule.page_size, scorer=rule.scorer,
                                         dense_layers=rule.dense_layers,
-                                        chunk_size=rule.query_chunk)
+                                        chunk_size=rule.query_chunk, impl=rule.impl,
+                                        tuning=rule.tuning)
     state = TeacherForcedBudgets(
         position_budgets(budget_pages, prompt_lengths, tokens.shape[1], rule.page_size),
         prompt_lengths)
