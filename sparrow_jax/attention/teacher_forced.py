@@ -145,9 +145,9 @@ def _check(q, k, v, budget_pages, prompt_lengths, page_size, scorer, chunk_size)
             f"{budgets[b_, i_]}")
 
 
-def _selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size):
+def selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size):
     """The page masks of every query, packed for the kernel: q ``[B, T, Hq, D]``, k ``[B, T,
-    Hkv, D]`` with T a whole number of pages -> ``[B, Hkv, W, T]`` int32
+    Hkv, D]`` with T a whole number of pages, budget_pages ``[B, T]`` -> ``[B, Hkv, W, T]`` int32
     (:func:`pallas_kernels.teacher_forced_gpu.page_words`), computed ``chunk_size`` queries at a
     time. Positions before ``prompt_lengths`` see every page of their prefix."""
     from pallas_kernels.teacher_forced_gpu import page_words
@@ -192,7 +192,7 @@ def _kernel_attention(q, k, v, budget_pages, prompt_lengths, *, page_size, score
     # off, and no real query sees the padded keys after it.
     q_p, k_p, v_p = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     budget = jnp.pad(budget_pages, ((0, 0), (0, pad)), constant_values=(t + pad) // page_size)
-    words = _selection_words(q_p, k_p, budget, prompt_lengths, page_size=page_size,
+    words = selection_words(q_p, k_p, budget, prompt_lengths, page_size=page_size,
                              scorer=scorer, chunk_size=chunk_size)
     out = page_masked_attention(q_p, k_p, v_p, words, page_size, tuning, interpret)
     return out[:, :t]
