@@ -48,8 +48,8 @@ def _is_pow2(x: int) -> bool:
 @dataclasses.dataclass(frozen=True)
 class TeacherForcedTuning:
     """Block sizes and launch settings (speed only, never the result): the forward's and dq's
-    query/key blocks, the dk/dv kernel's blocks, Triton warps and pipeline stages. Every block a
-    power of two >= 16."""
+    query/key blocks, the dk/dv kernel's blocks, Triton warps and pipeline stages, the selection
+    kernel's queries a program and warps. Every block a power of two >= 16."""
 
     block_q: int = 64
     block_k: int = 64
@@ -58,14 +58,16 @@ class TeacherForcedTuning:
     warps: int = 4
     bwd_warps: int = 4
     stages: int = 2
+    select_rows: int = 16
+    select_warps: int = 8
 
     def __post_init__(self):
-        for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k"):
+        for name in ("block_q", "block_k", "bwd_block_q", "bwd_block_k", "select_rows"):
             b = getattr(self, name)
             if not _is_pow2(b) or b < 16:
                 raise ValueError(f"TeacherForcedTuning.{name} must be a power of two >= 16, "
                                  f"got {b}")
-        for name in ("warps", "bwd_warps"):
+        for name in ("warps", "bwd_warps", "select_warps"):
             w = getattr(self, name)
             if not _is_pow2(w) or w > 32:
                 raise ValueError(f"TeacherForcedTuning.{name} must be a power of two in "
@@ -76,7 +78,8 @@ class TeacherForcedTuning:
     @property
     def multiple(self) -> int:
         """Sequence lengths the kernels take are multiples of this."""
-        return max(self.block_q, self.block_k, self.bwd_block_q, self.bwd_block_k)
+        return max(self.block_q, self.block_k, self.bwd_block_q, self.bwd_block_k,
+                   self.select_rows)
 
     def check(self, page_size: int) -> None:
         for name in ("block_k", "bwd_block_k"):
@@ -134,6 +137,75 @@ def _dot(a, b, **kw):
 
 def _word_column(k0, page_size: int):
     return _div(k0, WORD_PAGES * page_size)
+
+
+_INT_MIN = -(2 ** 31)
+
+
+def _order_key(score):
+    """float32 -> int32 with the same order (signed compare); -0.0 and 0.0 map alike."""
+    bits = lax.bitcast_convert_type(score, jnp.int32)
+    # -0.0 explicitly, not by "+ 0.0", which a compiler may fold away.
+    bits = jnp.where(bits == jnp.int32(_INT_MIN), jnp.int32(0), bits)
+    return jnp.where(bits < jnp.int32(0), bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
+def _row_count(mask):
+    return jnp.sum(mask.astype(jnp.int32), axis=1)
+
+
+def _select_kernel(score_ref, n_ref, budget_ref, sel_ref, *, slot_bits):
+    """Block top-k of ``R`` queries at once: scores ``[R, Mpad]`` float32, pages in use ``[R]``,
+    budgets ``[R]`` -> chosen ``[R, Mpad]`` int8 (:func:`sparrow_jax.attention.selection.
+    select_pages`' rule: reserved pages, the ``budget - 3`` best eligible ones, ties to the lower
+    page; dense when the budget covers every page in use). No sort: per row, the threshold key is
+    built bit by bit from the sign down, each round one count over the row held on chip."""
+    r, mpad = score_ref.shape
+    n = n_ref[...][:, None]
+    budget = jnp.maximum(budget_ref[...], jnp.int32(3))[:, None]
+    idx = lax.broadcasted_iota(jnp.int32, (r, mpad), 1)
+    eligible = (idx >= jnp.int32(1)) & (idx < n - jnp.int32(2))
+    keys = jnp.where(eligible, _order_key(score_ref[...]), jnp.int32(_INT_MIN))
+    k = (budget - jnp.int32(3))[:, 0]
+    # Largest t with #(keys >= t) >= k per row; INT_MIN keys are never counted, k = 0 ends at
+    # INT_MAX (nothing chosen).
+    t = jnp.where(_row_count(keys >= jnp.int32(0)) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
+    for bit in range(30, -1, -1):
+        cand = t | jnp.int32(1 << bit)
+        t = jnp.where(_row_count(keys >= cand[:, None]) >= k, cand, t)
+    above = keys > t[:, None]
+    need = k - _row_count(above)
+    equal = keys == t[:, None]
+    # Ties at the threshold: the `need` lowest slots among the equal keys.
+    j = jnp.zeros((r,), jnp.int32)
+    for bit in range(slot_bits - 1, -1, -1):
+        cand = j + jnp.int32(1 << bit)
+        j = jnp.where(_row_count(equal & (idx < cand[:, None])) < need, cand, j)
+    chosen = above | (equal & (idx <= j[:, None]) & (need[:, None] > jnp.int32(0)))
+    reserved = (idx == jnp.int32(0)) | ((idx >= n - jnp.int32(2)) & (idx < n))
+    sel = jnp.where(n <= budget, idx < n, reserved | chosen)
+    sel_ref[...] = sel.astype(sel_ref.dtype)
+
+
+def select_pages_kernel(scores: jax.Array, n: jax.Array, budget: jax.Array, *, rows: int = 16,
+                        warps: int = 8, interpret: bool = False) -> jax.Array:
+    """scores ``[B, H, C, M]`` float32, n ``[C]`` pages in use, budget ``[B, C]`` -> bool ``[B,
+    H, C, M]``: :func:`~sparrow_jax.attention.selection.select_pages` for every query, ``rows``
+    queries a program. C must be a multiple of ``rows``."""
+    b, h, c, m = scores.shape
+    mpad = 1 << max(0, (m - 1).bit_length())
+    scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, mpad - m)))
+    block = pl.BlockSpec((None, None, rows, mpad), lambda b, h, i: (b, h, i, 0))
+    sel = pl.pallas_call(
+        functools.partial(_select_kernel, slot_bits=max(mpad.bit_length(), 1)),
+        grid=(b, h, c // rows),
+        in_specs=[block, pl.BlockSpec((rows,), lambda b, h, i: (i,)),
+                  pl.BlockSpec((None, rows), lambda b, h, i: (b, i))],
+        out_specs=block, out_shape=jax.ShapeDtypeStruct((b, h, c, mpad), jnp.int8),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret, name="teacher_forced_select",
+    )(scores, n.astype(jnp.int32), budget.astype(jnp.int32))
+    return sel[..., :m] > 0
 
 
 def _forward_kernel(q_ref, k_ref, v_ref, w_ref, o_ref, lse_ref, *, bq, bk, page_size, scale):

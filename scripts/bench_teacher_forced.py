@@ -120,7 +120,8 @@ def main(argv=None) -> dict:
 
     words_fn = jax.jit(lambda q, k: selection_words(q, k, budgets, prompts, page_size=page,
                                                     scorer="centroid",
-                                                    chunk_size=a.chunk * page))
+                                                    chunk_size=a.chunk * page,
+                                                    interpret=interp))
     words = words_fn(q, k)
     row = {"T": t, "heads": [hq, hkv], "head_dim": d,
            "selection_s": _median(lambda: words_fn(q, k), a.repeats)}

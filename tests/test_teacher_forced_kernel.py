@@ -134,3 +134,22 @@ def test_auto_picks_the_kernel_on_gpu_only_and_bad_settings_raise_one_line():
         TeacherForcedTuning(block_q=48)
     with pytest.raises(ValueError, match="block_k=64 must divide 32 x page_size = 32"):
         TeacherForcedTuning().check(page_size=1)
+
+
+def test_selection_kernel_equals_select_pages_with_ties_and_signed_zeros():
+    from pallas_kernels.teacher_forced_gpu import select_pages_kernel
+    from sparrow_jax.attention.selection import select_pages
+
+    rng = np.random.default_rng(4)
+    b, h, c, m = 2, 2, 32, 40
+    scores = rng.standard_normal((b, h, c, m)).astype(np.float32)
+    scores[..., ::3] = np.round(scores[..., ::3])          # many ties, -0.0 among them
+    scores[0, 0, 0] = 0.0
+    scores[0, 0, 1, 5] = -0.0
+    n = rng.integers(1, m + 1, c).astype(np.int32)
+    budget = rng.integers(0, 20, (b, c)).astype(np.int32)  # below 3 acts as 3; >= n is dense
+    got = select_pages_kernel(*map(jnp.asarray, (scores, n, budget)), interpret=INTERPRET)
+    want = select_pages(jnp.asarray(scores), jnp.asarray(n)[None, None],
+                        jnp.asarray(budget)[:, None])
+    np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    assert 0.2 < np.asarray(want).mean() < 0.8

@@ -145,18 +145,22 @@ def _check(q, k, v, budget_pages, prompt_lengths, page_size, scorer, chunk_size)
             f"{budgets[b_, i_]}")
 
 
-def selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size):
+def selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size,
+                    tuning=None, interpret=False):
     """The page masks of every query, packed for the kernel: q ``[B, T, Hq, D]``, k ``[B, T,
-    Hkv, D]`` with T a whole number of pages, budget_pages ``[B, T]`` -> ``[B, Hkv, W, T]`` int32
-    (:func:`pallas_kernels.teacher_forced_gpu.page_words`), computed ``chunk_size`` queries at a
-    time. Positions before ``prompt_lengths`` see every page of their prefix."""
-    from pallas_kernels.teacher_forced_gpu import page_words
+    Hkv, D]`` with T a whole number of pages and of ``tuning.select_rows``, budget_pages ``[B,
+    T]`` -> ``[B, Hkv, W, T]`` int32 (:func:`pallas_kernels.teacher_forced_gpu.page_words`).
+    Scores in XLA (the reference's functions), ``chunk_size`` queries at a time; the block
+    top-k by the selection kernel. Positions before ``prompt_lengths`` see their whole prefix."""
+    from pallas_kernels.teacher_forced_gpu import (TeacherForcedTuning, page_words,
+                                                   select_pages_kernel)
 
+    tuning = tuning or TeacherForcedTuning()
     b, t, hq, d = q.shape
     hkv = k.shape[2]
     m = t // page_size
     summaries = _page_summaries(k, page_size, scorer)
-    chunk = min(chunk_size, t)
+    chunk = min(-(-chunk_size // tuning.select_rows) * tuning.select_rows, t)
     num_chunks = -(-t // chunk)
     pad = num_chunks * chunk - t
     q_c = lax.stop_gradient(jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0))))
@@ -172,8 +176,10 @@ def selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, ch
             scores = selection.centroid_scores(qc, summaries[0][:, :, None])
         else:
             scores = selection.quest_scores(qc, summaries[0][:, :, None], summaries[1][:, :, None])
-        n = selection.num_pages(pos + 1, page_size)
-        return page_words(selection.select_pages(scores, n[None, None, :], bud[:, None, :]))
+        chosen = select_pages_kernel(scores, selection.num_pages(pos + 1, page_size), bud,
+                                     rows=tuning.select_rows, warps=tuning.select_warps,
+                                     interpret=interpret)
+        return page_words(chosen)
 
     words = lax.map(chunk_words, (q_c, positions.reshape(num_chunks, chunk), budget))
     words = words.transpose(1, 2, 3, 0, 4).reshape(b, hkv, words.shape[3], num_chunks * chunk)
@@ -193,7 +199,8 @@ def _kernel_attention(q, k, v, budget_pages, prompt_lengths, *, page_size, score
     q_p, k_p, v_p = (jnp.pad(x, ((0, 0), (0, pad), (0, 0), (0, 0))) for x in (q, k, v))
     budget = jnp.pad(budget_pages, ((0, 0), (0, pad)), constant_values=(t + pad) // page_size)
     words = selection_words(q_p, k_p, budget, prompt_lengths, page_size=page_size,
-                             scorer=scorer, chunk_size=chunk_size)
+                            scorer=scorer, chunk_size=chunk_size, tuning=tuning,
+                            interpret=interpret)
     out = page_masked_attention(q_p, k_p, v_p, words, page_size, tuning, interpret)
     return out[:, :t]
 
