@@ -5,7 +5,8 @@ One layer at the Qwen3-1.7B attention shape (16 query heads, 8 KV heads, head_di
 one row of ``--prompt-len`` prompt + ``--response-len`` response tokens, the schedule's budget
 recorded at every response position. Median of ``--repeats`` timed calls after a warm-up:
 
-- ``selection_s``: the page masks of every query, packed (XLA: scores, block top-k, bits);
+- ``selection_s``: the page masks of every query, packed (XLA scores, the selection kernel,
+  bits); ``scores_s``: the scores alone;
 - ``kernel_forward_s`` / ``kernel_forward_backward_s``: the flash kernel under those masks;
 - ``pallas_forward_s`` / ``pallas_forward_backward_s``: the whole layer (selection + kernel);
 - ``xla_forward_s`` / ``xla_forward_backward_s``: the XLA formulation (``--no-xla`` skips);
@@ -39,6 +40,7 @@ import numpy as np
 
 from pallas_kernels.teacher_forced_gpu import TeacherForcedTuning, page_masked_attention
 from sparrow_jax.attention.dense import causal_attention
+from sparrow_jax.attention.selection import centroid_scores, page_centroids
 from sparrow_jax.attention.teacher_forced import selection_words, teacher_forced_sparse_attention
 from sparrow_jax.schedule import BudgetSchedule
 
@@ -123,8 +125,13 @@ def main(argv=None) -> dict:
                                                     chunk_size=a.chunk * page,
                                                     interpret=interp))
     words = words_fn(q, k)
+    # The selection's first part alone: every query's page scores, as the reference computes them.
+    scores_fn = jax.jit(lambda q, k: centroid_scores(
+        q.reshape(1, t, hkv, hq // hkv, d).transpose(0, 2, 1, 3, 4),
+        page_centroids(k.reshape(1, t // page, page, hkv, d).transpose(0, 3, 1, 2, 4))[:, :, None]))
     row = {"T": t, "heads": [hq, hkv], "head_dim": d,
-           "selection_s": _median(lambda: words_fn(q, k), a.repeats)}
+           "selection_s": _median(lambda: words_fn(q, k), a.repeats),
+           "scores_s": _median(lambda: scores_fn(q, k), a.repeats)}
     dense_flops = 4 * t * t / 2 * hq * d                     # causal QK^T and PV
     kernels = []
     for tuning in tunings:
