@@ -140,6 +140,7 @@ def _word_column(k0, page_size: int):
 
 
 _INT_MIN = -(2 ** 31)
+_SELECT_TILE = 16384
 
 
 def _order_key(score):
@@ -191,9 +192,12 @@ def select_pages_kernel(scores: jax.Array, n: jax.Array, budget: jax.Array, *, r
                         warps: int = 8, interpret: bool = False) -> jax.Array:
     """scores ``[B, H, C, M]`` float32, n ``[C]`` pages in use, budget ``[B, C]`` -> bool ``[B,
     H, C, M]``: :func:`~sparrow_jax.attention.selection.select_pages` for every query, ``rows``
-    queries a program. C must be a multiple of ``rows``."""
+    queries a program (fewer when the pages are many). C must be a multiple of ``rows``."""
     b, h, c, m = scores.shape
     mpad = 1 << max(0, (m - 1).bit_length())
+    # A program holds rows x Mpad keys in registers: beyond 16K of them (64 a thread at 8 warps)
+    # they spill, which at 32K context (Mpad 4096) made selection the layer's largest cost.
+    rows = max(1, min(rows, _SELECT_TILE // mpad))
     scores = jnp.pad(scores, ((0, 0), (0, 0), (0, 0), (0, mpad - m)))
     block = pl.BlockSpec((None, None, rows, mpad), lambda b, h, i: (b, h, i, 0))
     sel = pl.pallas_call(
