@@ -153,3 +153,33 @@ def test_selection_kernel_equals_select_pages_with_ties_and_signed_zeros():
                         jnp.asarray(budget)[:, None])
     np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
     assert 0.2 < np.asarray(want).mean() < 0.8
+
+
+def _count_in_grad_jaxpr(remat: bool, names=("teacher_forced_select", "teacher_forced_forward")):
+    from flax import nnx
+
+    from sparrow_jax.attention.teacher_forced import (TeacherForcedBudgets,
+                                                       make_teacher_forced_attend)
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.qwen3 import init_model
+
+    cfg = ModelConfig(vocab_size=64, hidden_size=64, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+    graphdef, params = nnx.split(init_model(cfg, seed=0, remat=remat))
+    attend = make_teacher_forced_attend(page_size=4, dense_layers=(), impl="pallas")
+    state = TeacherForcedBudgets(jnp.full((1, 64), 4, jnp.int32), jnp.array([8], jnp.int32))
+    tokens = jnp.zeros((1, 64), jnp.int32)
+
+    def grads(params):
+        loss = lambda m: m.forward(tokens, attend=attend, state=state)[0].sum()
+        return nnx.grad(loss)(nnx.merge(graphdef, params))
+
+    text = str(jax.make_jaxpr(grads)(params))
+    return [text.count(n) for n in names]
+
+
+def test_remat_keeps_the_selection_and_recomputes_the_attention():
+    select, forward = _count_in_grad_jaxpr(remat=False)
+    select_remat, forward_remat = _count_in_grad_jaxpr(remat=True)
+    assert forward_remat > forward          # remat is on: the attention runs again
+    assert select_remat == select           # the selection is saved, not recomputed

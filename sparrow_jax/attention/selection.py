@@ -16,6 +16,10 @@ RESERVED_FIRST = 1  # the sink page
 RESERVED_LAST = 2   # the last full page and the partial current page
 MIN_BUDGET_PAGES = RESERVED_FIRST + RESERVED_LAST
 SCORERS = ("centroid", "quest")
+# Selections marked with this name (jax.ad_checkpoint.checkpoint_name) are kept by the model's
+# remat instead of recomputed in the backward pass: they are discrete, small (bits per page) and,
+# at 32K context, as costly to compute as the attention itself.
+SAVED_NAME = "page_selection"
 
 
 def page_centroids(k_pages: jax.Array) -> jax.Array:

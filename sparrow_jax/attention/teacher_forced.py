@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
+from jax.ad_checkpoint import checkpoint_name
 
 from sparrow_jax.attention import selection
 from sparrow_jax.attention.dense import causal_attention
@@ -186,8 +187,6 @@ def selection_words(q, k, budget_pages, prompt_lengths, *, page_size, scorer, ch
     return words[..., :t]
 
 
-@functools.partial(jax.jit, static_argnames=("page_size", "scorer", "chunk_size", "tuning",
-                                             "interpret"))
 def _kernel_attention(q, k, v, budget_pages, prompt_lengths, *, page_size, scorer, chunk_size,
                       tuning, interpret):
     from pallas_kernels.teacher_forced_gpu import page_masked_attention
@@ -201,6 +200,8 @@ def _kernel_attention(q, k, v, budget_pages, prompt_lengths, *, page_size, score
     words = selection_words(q_p, k_p, budget, prompt_lengths, page_size=page_size,
                             scorer=scorer, chunk_size=chunk_size, tuning=tuning,
                             interpret=interpret)
+    # Not jitted apart, so the model's remat policy sees the name and keeps the words.
+    words = checkpoint_name(words, selection.SAVED_NAME)
     out = page_masked_attention(q_p, k_p, v_p, words, page_size, tuning, interpret)
     return out[:, :t]
 

@@ -21,10 +21,14 @@ import jax.numpy as jnp
 from flax import nnx
 
 from sparrow_jax.attention.dense import causal_attend
+from sparrow_jax.attention.selection import SAVED_NAME
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.lora import Linear
 from sparrow_jax.models.rope import apply_rope, rope_angles
 from sparrow_jax.sharding import constrain
+
+# Remat keeps only the page selections attention functions mark (none in dense runs).
+REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SAVED_NAME)
 
 # attend(layer, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state).
 # q and k arrive after q/k-norm and RoPE; ``state`` is whatever the caller threads through the
@@ -143,7 +147,8 @@ class Qwen3(nnx.Module):
         cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
         for i, block in enumerate(self.layers):
             if self.remat:
-                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7))(
+                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7),
+                                     policy=REMAT_POLICY)(
                     block, x, cos, sin, i, attend, state, lora)
             else:
                 x, state = block(x, cos, sin, i, attend, state, lora)
