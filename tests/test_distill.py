@@ -4,6 +4,7 @@ reference; a few adapter steps raise the actor's acceptance rate against the den
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -36,10 +37,10 @@ TEMP = 1.0
 ROWS = 8
 
 
-def _model(lora_noise: float = 0.0):
+def _model(lora_noise: float = 0.0, cfg: ModelConfig = CFG):
     """The tiny model, its head scaled so the distributions are peaked (a near-uniform softmax
     would hide every mismatch), with a rank-4 adapter; ``lora_noise`` makes B non-zero."""
-    model = init_model(CFG, seed=0)
+    model = init_model(cfg, seed=0)
     for w in (model.embed_tokens, model.lm_head):
         w[...] = w[...] * 60
     attach_lora(model, LoRAConfig(rank=4), jax.random.key(1))
@@ -64,9 +65,9 @@ def noisy():
     return model, _rollout(model)
 
 
-def _student(model, ro):
+def _student(model, ro, rule=RULE):
     fn = jax.jit(lambda st, *a: student_logprobs(nnx.merge(graphdef, st), *a, temperature=TEMP,
-                                                  rule=RULE))
+                                                  rule=rule))
     graphdef, state = nnx.split(model)
     return np.asarray(fn(state, ro.tokens, ro.prompt_lengths, ro.budget_pages))
 
@@ -83,6 +84,19 @@ def test_student_matches_rollout(noisy):
     dense = recompute(model, ro, TEMP, top_k=4, length_multiple=64).logprobs
     assert np.abs(dense - np.asarray(ro.logprobs))[mask].mean() > 0.1
     plain = _student(init_model(CFG, seed=0), ro)   # no adapter at all
+    assert np.abs(plain - got)[mask].mean() > 0.1
+
+
+def test_student_through_the_kernel_matches_rollout():
+    """The teacher-forced flash kernel (the GPU default; interpreted on CPU) as the student:
+    head_dim 16, the kernel's smallest."""
+    cfg = dataclasses.replace(CFG, head_dim=16)
+    model = _model(lora_noise=0.05, cfg=cfg)
+    ro = _rollout(model)
+    mask = np.asarray(ro.response_mask)
+    got = _student(model, ro, dataclasses.replace(RULE, impl="pallas"))
+    np.testing.assert_allclose(got[mask], np.asarray(ro.logprobs)[mask], atol=2e-5)
+    plain = _student(init_model(cfg, seed=0), ro)    # no adapter: not the same function
     assert np.abs(plain - got)[mask].mean() > 0.1
 
 

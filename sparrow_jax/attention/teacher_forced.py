@@ -64,7 +64,7 @@ def teacher_forced_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array,
                                     budget_pages: jax.Array, prompt_lengths: jax.Array, *,
                                     page_size: int = 16, scorer: str = "centroid",
                                     chunk_size: int = 128, impl: str = "auto",
-                                    tuning=None, interpret: bool = False) -> jax.Array:
+                                    tuning=None, interpret: bool | None = None) -> jax.Array:
     """q ``[B, T, Hq, D]``, k/v ``[B, T, Hkv, D]`` (after norms and RoPE), budget_pages ``[B, T]``,
     prompt_lengths ``[B]`` -> ``[B, T, Hq, D]`` in q's dtype.
 
@@ -74,7 +74,8 @@ def teacher_forced_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     ``chunk_size`` bounds memory: ``[chunk, T]`` scores (xla) or ``[chunk * page_size, M]``
     selection masks (pallas). ``tuning``: the kernel's
     :class:`~pallas_kernels.teacher_forced_gpu.TeacherForcedTuning` (None: its defaults);
-    ``interpret`` runs the kernel in Pallas' interpreter (CPU tests).
+    ``interpret``: run the kernels in Pallas' interpreter (None: off GPU, so an explicit
+    ``impl="pallas"`` runs, slowly, in CPU tests).
     """
     _check(q, k, v, budget_pages, prompt_lengths, page_size, scorer, chunk_size)
     budget_pages = budget_pages.astype(jnp.int32)
@@ -84,6 +85,8 @@ def teacher_forced_sparse_attention(q: jax.Array, k: jax.Array, v: jax.Array,
 
         tuning = tuning or TeacherForcedTuning()
         tuning.check(page_size)
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
         return _kernel_attention(q, k, v, budget_pages, prompt_lengths, page_size=page_size,
                                  scorer=scorer, chunk_size=chunk_size * page_size,
                                  tuning=tuning, interpret=interpret)
