@@ -36,10 +36,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import datetime
 import json
 import statistics
-import sys
 import time
 
 import jax
@@ -48,6 +46,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.attention.teacher_forced import resolve_impl
+from sparrow_jax.benchmarking import write_record
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.lora import LoRAParam, attach_lora
 from sparrow_jax.models.qwen3 import init_model
@@ -206,14 +205,8 @@ def main(argv=None) -> dict:
                 row["check_max_abs"] = _dense_budget_check(model, rule, args, cfg)
             print(json.dumps(row), flush=True)
         results.append(row)
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv[1:],
-           "preset": a.preset, "dtype": jnp.dtype(dtype).name, "schedule": a.schedule,
-           "remat": not a.no_remat, "results": results}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return write_record(a.out, preset=a.preset, dtype=jnp.dtype(dtype).name,
+                        schedule=a.schedule, remat=not a.no_remat, results=results)
 
 
 if __name__ == "__main__":

@@ -28,11 +28,7 @@ CPU smoke test: ``--response-len 256 --prompt-len 64 --heads 4,2 --head-dim 16 -
 from __future__ import annotations
 
 import argparse
-import datetime
 import json
-import statistics
-import sys
-import time
 
 import jax
 import jax.numpy as jnp
@@ -40,6 +36,7 @@ import numpy as np
 
 from pallas_kernels.teacher_forced_gpu import TeacherForcedTuning, page_masked_attention
 from sparrow_jax.attention.dense import causal_attention
+from sparrow_jax.benchmarking import median_seconds, write_record
 from sparrow_jax.attention.selection import centroid_scores, page_centroids
 from sparrow_jax.attention.teacher_forced import selection_words, teacher_forced_sparse_attention
 from sparrow_jax.schedule import BudgetSchedule
@@ -65,13 +62,7 @@ def parse_args(argv=None):
 
 
 def _median(fn, repeats):
-    jax.block_until_ready(fn())                # warm-up: compiles
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn())
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    return median_seconds(fn, (), repeats)
 
 
 def _tunings(spec: str) -> list[TeacherForcedTuning]:
@@ -161,13 +152,7 @@ def main(argv=None) -> dict:
         row[f"{name}_forward_s"] = _median(lambda: fwd(q, k, v), a.repeats)
         row[f"{name}_forward_backward_s"] = _median(lambda: bwd(q, k, v), a.repeats)
         print(json.dumps({k_: v_ for k_, v_ in row.items() if k_ != "kernels"}), flush=True)
-    out = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
-           "date": datetime.datetime.now().isoformat(timespec="seconds"), "argv": sys.argv[1:],
-           "schedule": a.schedule, "results": row}
-    if a.out:
-        with open(a.out, "w") as f:
-            json.dump(out, f, indent=1)
-    return out
+    return write_record(a.out, schedule=a.schedule, results=row)
 
 
 if __name__ == "__main__":

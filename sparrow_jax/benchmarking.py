@@ -7,7 +7,10 @@ after a compile and a warm-up run (:func:`median_seconds`).
 
 from __future__ import annotations
 
+import datetime
+import json
 import statistics
+import sys
 import time
 
 import jax
@@ -20,6 +23,18 @@ def chained(fn, chain: int):
     def run(x, *args):
         return jax.lax.fori_loop(0, chain, lambda _, y: fn(y, *args), x)
     return run
+
+
+def write_record(path: str | None, **fields) -> dict:
+    """The raw JSON of a benchmark run: the device, jax's version, the date and the command
+    line, then ``fields``; written to ``path`` when given. Returns the record."""
+    record = {"device": str(jax.devices()[0].device_kind), "jax": jax.__version__,
+              "date": datetime.datetime.now().isoformat(timespec="seconds"),
+              "argv": sys.argv[1:], **fields}
+    if path:
+        with open(path, "w") as f:
+            json.dump(record, f, indent=1)
+    return record
 
 
 def median_seconds(run, args, repeats: int) -> float:

@@ -89,6 +89,19 @@ def sparse_decode_np(q, k_pages, v_pages, page_table, lengths, budget_pages, *, 
     return (out, pages_used) if return_pages else out
 
 
+def teacher_forced_case(rng, *, b=2, t=37, hkv=2, r=2, d=8, page_size=4, dtype=np.float32):
+    """Random q ``[b, t, hkv*r, d]``, k/v ``[b, t, hkv, d]`` and budgets ``[b, t]`` in 3..6 for
+    teacher-forced attention. Per-page offsets give pages distinct centroids, so selections
+    differ between positions."""
+    q = rng.standard_normal((b, t, hkv * r, d))
+    topics = np.repeat(rng.standard_normal((b, -(-t // page_size), hkv, d)), page_size,
+                       axis=1)[:, :t]
+    k = rng.standard_normal((b, t, hkv, d)) + 2 * topics
+    v = rng.standard_normal((b, t, hkv, d))
+    budgets = rng.integers(3, 7, size=(b, t)).astype(np.int32)
+    return q.astype(dtype), k.astype(dtype), v.astype(dtype), budgets
+
+
 def teacher_forced_np(q, k, v, budget_pages, prompt_lengths, *, page_size=16, scorer="centroid"):
     """One attention layer run token by token as the decode step would: q ``[B, T, Hq, D]``,
     k/v ``[B, T, Hkv, D]``, budget_pages ``[B, T]``, prompt_lengths ``[B]`` -> ``[B, T, Hq, D]``.

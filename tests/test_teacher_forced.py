@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from jax.test_util import check_grads
 
-from reference_np import assert_kernel_close, teacher_forced_np
+from reference_np import assert_kernel_close, teacher_forced_case, teacher_forced_np
 from sparrow_jax.attention.dense import causal_attention
 from sparrow_jax.attention.sparse import sparse_decode
 from sparrow_jax.attention.teacher_forced import (TeacherForcedBudgets,
@@ -20,14 +20,8 @@ from sparrow_jax.models.qwen3 import init_model, logits_from_hidden
 P = 4
 
 
-def _layer_case(rng, b=2, t=37, hkv=2, r=2, d=8, dtype=np.float32):
-    q = rng.standard_normal((b, t, hkv * r, d))
-    # Per-page offsets give pages distinct centroids, so selections differ between positions.
-    topics = np.repeat(rng.standard_normal((b, -(-t // P), hkv, d)), P, axis=1)[:, :t]
-    k = rng.standard_normal((b, t, hkv, d)) + 2 * topics
-    v = rng.standard_normal((b, t, hkv, d))
-    budgets = rng.integers(3, 7, size=(b, t)).astype(np.int32)
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), budgets
+def _layer_case(rng, b=2, t=37, dtype=np.float32):
+    return teacher_forced_case(rng, b=b, t=t, page_size=P, dtype=dtype)
 
 
 @pytest.mark.parametrize("scorer", ["centroid", "quest"])

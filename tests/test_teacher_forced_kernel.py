@@ -11,7 +11,7 @@ import pytest
 
 from pallas_kernels.teacher_forced_gpu import (TeacherForcedTuning, page_masked_attention,
                                                page_words)
-from reference_np import assert_kernel_close, teacher_forced_np
+from reference_np import assert_kernel_close, teacher_forced_case, teacher_forced_np
 from sparrow_jax.attention.teacher_forced import resolve_impl, teacher_forced_sparse_attention
 
 SMALL = TeacherForcedTuning(block_q=32, block_k=32, bwd_block_q=16, bwd_block_k=32)
@@ -68,13 +68,8 @@ def test_masked_attention_and_gradients_match_numpy():
         np.testing.assert_allclose(np.asarray(got), ref, rtol=1e-4, atol=1e-4, err_msg=f"d{name}")
 
 
-def _layer_case(rng, b=2, t=70, hkv=2, r=2, d=16, page=4, dtype=np.float32):
-    q = rng.standard_normal((b, t, hkv * r, d))
-    topics = np.repeat(rng.standard_normal((b, -(-t // page), hkv, d)), page, axis=1)[:, :t]
-    k = rng.standard_normal((b, t, hkv, d)) + 2 * topics
-    v = rng.standard_normal((b, t, hkv, d))
-    budgets = rng.integers(3, 7, size=(b, t)).astype(np.int32)
-    return q.astype(dtype), k.astype(dtype), v.astype(dtype), budgets
+def _layer_case(rng, t=70, dtype=np.float32):
+    return teacher_forced_case(rng, t=t, d=16, dtype=dtype)
 
 
 @pytest.mark.parametrize("scorer", ["centroid", "quest"])
