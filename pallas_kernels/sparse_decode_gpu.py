@@ -35,7 +35,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, page_centroids
+from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (docs/design.md, section 3)
@@ -120,13 +120,6 @@ class GpuDecodeTuning:
         return dataclasses.replace(self, block_pages=bp, splits=splits)
 
 
-def _order_key(score: jax.Array) -> jax.Array:
-    """float32 -> int32 with the same order (signed compare); -0.0 and 0.0 map alike."""
-    bits = lax.bitcast_convert_type(score + 0.0, jnp.int32)
-    # Negative floats order backwards in their magnitude bits: flip those bits.
-    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
 def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
     """Grid (B, Hkv, Mpad / C): q ``[Rpad, D]`` (zero rows past ``group``), centroids ``[N, D]``
     (this KV head), table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
@@ -140,7 +133,7 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
     cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
     score = jnp.sum(cent * qbar[None, :], axis=1)
-    key_ref[...] = jnp.where(eligible, _order_key(score), jnp.int32(_INT_MIN))
+    key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
 
 def _count(mask: jax.Array) -> jax.Array:

@@ -48,7 +48,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, page_centroids
+from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages
@@ -152,12 +152,6 @@ def score_pool(qbar, centroids, *, score_tile=512, interpret=False):
     )(qbar, centroids)
 
 
-def _order_key(score):
-    """float32 -> int32 with the same order (signed compare); -0.0 and 0.0 map alike."""
-    bits = lax.bitcast_convert_type(score + 0.0, jnp.int32)
-    return jnp.where(bits < 0, bits ^ 0x7FFFFFFF, bits)
-
-
 def row_keys(scores, page_table, lengths, *, page_size, mpad):
     """Pool scores ``[Hkv, Bp, N]`` -> keys ``[B, Hkv, Mpad / 128, 128]`` int32 of each
     sequence's slots: the score's order key for pages ``1 .. n-3`` (the ones that may be
@@ -170,7 +164,7 @@ def row_keys(scores, page_table, lengths, *, page_size, mpad):
     n = (lengths + page_size - 1) // page_size
     slot = jnp.arange(m)[None, None, :]
     eligible = (slot >= 1) & (slot < n[:, None, None] - 2)
-    keys = jnp.where(eligible, _order_key(s), jnp.int32(_INT_MIN))
+    keys = jnp.where(eligible, order_key(s), jnp.int32(_INT_MIN))
     keys = jnp.pad(keys, ((0, 0), (0, 0), (0, mpad - m)), constant_values=_INT_MIN)
     return keys.reshape(b, keys.shape[1], mpad // LANES, LANES)
 

@@ -36,6 +36,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from sparrow_jax.attention.selection import order_key
+
 WORD_PAGES = 32
 # Finite, so that a fully masked block cannot turn the running max into NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
@@ -143,14 +145,6 @@ _INT_MIN = -(2 ** 31)
 _SELECT_TILE = 16384
 
 
-def _order_key(score):
-    """float32 -> int32 with the same order (signed compare); -0.0 and 0.0 map alike."""
-    bits = lax.bitcast_convert_type(score, jnp.int32)
-    # -0.0 explicitly, not by "+ 0.0", which a compiler may fold away.
-    bits = jnp.where(bits == jnp.int32(_INT_MIN), jnp.int32(0), bits)
-    return jnp.where(bits < jnp.int32(0), bits ^ jnp.int32(0x7FFFFFFF), bits)
-
-
 def _row_count(mask):
     return jnp.sum(mask.astype(jnp.int32), axis=1)
 
@@ -166,7 +160,7 @@ def _select_kernel(score_ref, n_ref, budget_ref, sel_ref, *, slot_bits):
     budget = jnp.maximum(budget_ref[...], jnp.int32(3))[:, None]
     idx = lax.broadcasted_iota(jnp.int32, (r, mpad), 1)
     eligible = (idx >= jnp.int32(1)) & (idx < n - jnp.int32(2))
-    keys = jnp.where(eligible, _order_key(score_ref[...]), jnp.int32(_INT_MIN))
+    keys = jnp.where(eligible, order_key(score_ref[...]), jnp.int32(_INT_MIN))
     k = (budget - jnp.int32(3))[:, 0]
     # Largest t with #(keys >= t) >= k per row; INT_MIN keys are never counted, k = 0 ends at
     # INT_MAX (nothing chosen).

@@ -56,3 +56,16 @@ def test_scores_against_numpy():
 def test_num_pages():
     np.testing.assert_array_equal(np.asarray(num_pages(jnp.asarray([1, 15, 16, 17, 32]), 16)),
                                   [1, 1, 1, 2, 2])
+
+
+def test_signed_zero_ties_go_to_the_lower_page_under_jit():
+    """-0.0 and 0.0 tie (to the lower page), jitted as in the engine, in the reference and in the
+    kernels' order keys: XLA folds "x + 0.0" to x, which had left -0.0 below 0.0 in the keys of
+    the decode and selection kernels (seen in interpret mode)."""
+    from sparrow_jax.attention.selection import order_key, select_pages
+
+    scores = jnp.array([9.0, 5.0, -0.0, -1.0, 0.0, -2.0, 9.0, 9.0], jnp.float32)
+    chosen = jax.jit(select_pages)(scores, jnp.int32(8), jnp.int32(5))     # k = 2
+    assert np.flatnonzero(np.asarray(chosen)).tolist() == [0, 1, 2, 6, 7]
+    keys = np.asarray(jax.jit(order_key)(scores))
+    assert keys[2] == keys[4] == 0 and keys[3] < keys[2] < keys[1]

@@ -59,6 +59,19 @@ def quest_scores(q_group: jax.Array, kmin: jax.Array, kmax: jax.Array) -> jax.Ar
     return jnp.max(per_head, axis=-2)
 
 
+def _no_negative_zero(x: jax.Array) -> jax.Array:
+    # A compare, not "x + 0.0": XLA folds that to x, keeping -0.0 (seen on CPU under jit).
+    return jnp.where(x == jnp.float32(0.0), jnp.float32(0.0), x)
+
+
+def order_key(score: jax.Array) -> jax.Array:
+    """float32 scores -> int32 keys whose signed order is the scores' order, -0.0 and 0.0 alike:
+    what the kernels' bitwise threshold searches compare (inside kernels too: typed constants)."""
+    bits = lax.bitcast_convert_type(_no_negative_zero(score), jnp.int32)
+    # Negative floats order backwards in their magnitude bits: flip those bits.
+    return jnp.where(bits < jnp.int32(0), bits ^ jnp.int32(0x7FFFFFFF), bits)
+
+
 def num_pages(lengths: jax.Array, page_size: int) -> jax.Array:
     """Pages holding ``lengths`` tokens (the partial last page counted): ``ceil(lengths / P)``."""
     return (lengths + page_size - 1) // page_size
@@ -82,9 +95,9 @@ def select_pages(scores: jax.Array, n: jax.Array, budget: jax.Array) -> jax.Arra
     eligible = (j >= RESERVED_FIRST) & (j < n - RESERVED_LAST)
     reserved = in_use & ~eligible
     # Rank by (ineligible, -score, index): one lexicographic sort makes the tie rule explicit and
-    # identical in every caller. "+ 0.0" turns -0.0 into 0.0, which the sort would otherwise
-    # order before 0.0 although they compare equal.
-    neg = -lax.stop_gradient(scores).astype(jnp.float32) + 0.0
+    # identical in every caller. -0.0 becomes 0.0, which the sort would otherwise order before
+    # 0.0 although they compare equal (and the threshold below take both).
+    neg = _no_negative_zero(-lax.stop_gradient(scores).astype(jnp.float32))
     s_inel, s_neg, s_idx = lax.sort(((~eligible).astype(jnp.int32), neg, j), num_keys=3)
     k = budget - MIN_BUDGET_PAGES                                  # top-k count, >= 0
     pos = jnp.clip(k - 1, 0, m - 1)
