@@ -103,6 +103,11 @@ def test_sparse_schedule_and_samples(capsys, tmp_path):
     rows = out.strip().splitlines()
     assert len(rows) == 3 and len(set(rows)) == 1
     assert "100% of steps sparse" in err or "75% of steps sparse" in err, err
+    rc, refill_out, err = _run(capsys, "generate", "--preset", "tiny", "--prompt-ids", prompt,
+                               "--max-new-tokens", "4", "--ids", "-n", "3", "--schedule",
+                               str(sched), "--page-size", "4", "--dense-layers", "0",
+                               "--refill-slots", "2")
+    assert rc == 0 and refill_out == out, err                # refill: the same samples
     rc, _, err = _run(capsys, "generate", "--preset", "tiny", "--prompt-ids", prompt,
                       "--schedule", str(sched))
     assert rc == 2 and "pages of 4 tokens" in err

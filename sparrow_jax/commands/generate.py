@@ -44,6 +44,9 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--seed", type=int, default=0, help="sampling seed (and preset init seed)")
     p.add_argument("--dtype", choices=("auto", "float32", "bfloat16"), default="auto",
                    help="compute dtype; auto: bfloat16 on an accelerator, float32 on CPU")
+    p.add_argument("--refill-slots", type=positive_int, default=None,
+                   help="continuous refill with this many decode slots (same samples; pages "
+                   "allocated as rows grow); default: one static batch")
     p.add_argument("--ids", action="store_true", help="print generated token ids, not text")
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
 
@@ -142,8 +145,15 @@ def run(args: argparse.Namespace) -> int:
         progress=not args.no_progress)
     schedule = load_schedule(args.schedule, args.page_size)
     t0 = time.perf_counter()
-    rollout = jax.block_until_ready(
-        generate(model, prompts, rollout_config, jax.random.key(args.seed), schedule=schedule))
+    key = jax.random.key(args.seed)
+    if args.refill_slots is None:
+        rollout = generate(model, prompts, rollout_config, key, schedule=schedule)
+    else:
+        from sparrow_jax.rollout.refill import generate_refill
+
+        rollout = generate_refill(model, prompts, rollout_config, key, schedule,
+                                  slots=args.refill_slots)
+    rollout = jax.block_until_ready(rollout)
     seconds = time.perf_counter() - t0
 
     tokens, pl, rl = (np.asarray(x) for x in (rollout.tokens, rollout.prompt_lengths,

@@ -70,7 +70,10 @@ class RolloutSettings:
     checked when the config loads; the trainer fills in its samples, length, temperature and
     EOS ids from the fields here. ``eos_ids``: the tokens that end a response; None: the
     model's (config.json and generation_config.json); ``[]``: none (responses run to
-    ``max_new_tokens``)."""
+    ``max_new_tokens``). ``refill_slots``: sample with continuous refill
+    (:func:`~sparrow_jax.rollout.refill.generate_refill`: this many decode slots refilled as
+    rows finish, pages allocated as rows grow; the same tokens per sample); None: static
+    batches. Refill runs on one device (no mesh yet)."""
 
     samples_per_prompt: int = 8
     max_new_tokens: int = 512
@@ -79,9 +82,14 @@ class RolloutSettings:
     top_k: int = 0
     eos_ids: tuple[int, ...] | None = None
     engine: RolloutConfig = RolloutConfig()
+    refill_slots: int | None = None
 
     def __post_init__(self):
         _positive(self, "max_new_tokens")
+        if self.refill_slots is not None and (not isinstance(self.refill_slots, int)
+                                              or self.refill_slots < 1):
+            raise ConfigError(f"rollout.refill_slots must be an int >= 1 or null, got "
+                              f"{self.refill_slots!r}")
         if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 2:
             raise ConfigError("rollout.samples_per_prompt must be an int >= 2 (group advantages "
                               f"need a std), got {self.samples_per_prompt!r}")

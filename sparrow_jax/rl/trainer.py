@@ -101,15 +101,22 @@ def load_policy(spec: ModelSpec, mesh: jax.sharding.Mesh | None = None):
 
 def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
     """The sparse rollout engine with the config's temperature-only sampling
-    (:meth:`RolloutSettings.rollout_config`); with ``distill`` on, the actor's LoRA on.
+    (:meth:`RolloutSettings.rollout_config`), static or, with ``rollout.refill_slots``,
+    continuous refill; with ``distill`` on, the actor's LoRA on.
     ``schedule=`` overrides ``schedule`` per call (the closed loop's current table), and
     ``schedule_bound=`` declares a ceiling of all of them (one compilation for every table)."""
     from sparrow_jax.rollout.engine import generate
 
     lora = config.distill.enabled
+    slots = config.rollout.refill_slots
+    if slots is not None:
+        from sparrow_jax.rollout.refill import generate_refill
 
     def rollout_fn(model, prompts, key, n, schedule=schedule, schedule_bound=None, **extra):
         cfg = config.rollout.rollout_config(n, model.config.eos_token_ids)
+        if slots is not None:
+            return generate_refill(model, prompts, cfg, key, schedule, slots=slots, lora=lora,
+                                   schedule_bound=schedule_bound, **extra)
         return generate(model, prompts, cfg, key, schedule=schedule, lora=lora,
                         schedule_bound=schedule_bound, **extra)
 
@@ -180,6 +187,10 @@ class Trainer:
             raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} does not "
                               f"split over {self.processes} processes")
         self.mesh = _mesh(config, self.processes)
+        if config.rollout.refill_slots is not None and self.mesh is not None:
+            raise ConfigError(f"rollout.refill_slots={config.rollout.refill_slots}: continuous "
+                              "refill runs on one device, not on a mesh (set refill_slots: null, "
+                              "or train on one device in one process)")
         self.model, self.model_config = load_policy(config.model, self.mesh)
         self.distill = self.distill_state = None
         if config.distill.enabled:

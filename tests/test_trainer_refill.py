@@ -1,0 +1,62 @@
+"""The GRPO trainer with continuous-refill rollouts (``rollout.refill_slots``) on a tiny model
+with the real engine, sparse past layer 0: refill samples the same tokens per sample as static
+batches (tests/test_refill.py), so three steps with 3 slots (fewer than the step's 8 rows)
+give the static run's metrics and weights. A mesh is refused when the trainer starts."""
+
+import json
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparrow_jax.config import ConfigError, ModelConfig, from_dict, to_dict
+from sparrow_jax.rl import trainer as trainer_mod
+from sparrow_jax.rl.config import TrainConfig
+from sparrow_jax.rollout import refill as refill_mod
+
+
+def _cfg(run_dir, **rollout):
+    return from_dict(TrainConfig, {
+        "run_dir": str(run_dir), "steps": 3, "seed": 0, "reward": "reverse",
+        "model": {"hf_config": {**ModelConfig.preset("tiny").to_hf_dict(), "vocab_size": 24,
+                                "num_hidden_layers": 2}},
+        "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 4, "max_len": 8},
+                 "num_train": 16, "num_eval": 2, "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 4, "max_new_tokens": 10,
+                    "engine": {"page_size": 4, "dense_layers": [0]}, **rollout},
+        "schedule": {"kind": "fixed", "pages": 3, "page_size": 4},
+        "update": {"micro_batch_size": 4, "length_multiple": 32, "remat": False},
+        "optim": {"learning_rate": 1e-3},
+        "mismatch": {"min_count": 1},
+        "checkpoint_every": 3, "eval_every": 0, "tensorboard": False, "progress": False,
+    })
+
+
+def _metrics(run_dir):
+    rows = [json.loads(x) for x in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    return [{k: v for k, v in r.items() if not k.startswith(("time_", "tokens_per_s"))}
+            for r in rows]
+
+
+def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
+    static, refill = tmp_path / "static", tmp_path / "refill"
+    a = trainer_mod.train(_cfg(static))
+    calls, run = [], refill_mod.run_refill
+    monkeypatch.setattr(refill_mod, "run_refill",
+                        lambda *a, **k: calls.append(k["slots"]) or run(*a, **k))
+    b = trainer_mod.train(_cfg(refill, refill_slots=3))
+    assert calls == [3, 3, 3]
+    assert _metrics(static) == _metrics(refill) and len(_metrics(static)) == 3
+    for x, y in zip(jax.tree.leaves(nnx.state(a.model, nnx.Param)),
+                    jax.tree.leaves(nnx.state(b.model, nnx.Param))):
+        np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_refill_slots_are_checked(tmp_path):
+    with pytest.raises(ConfigError, match="rollout.refill_slots must be an int >= 1"):
+        _cfg(tmp_path, refill_slots=0)
+    cfg = from_dict(TrainConfig, {**to_dict(_cfg(tmp_path, refill_slots=2)),
+                                  "mesh": {"data": 1, "fsdp": 1, "tensor": 1}})
+    with pytest.raises(ConfigError, match="continuous refill runs on one device"):
+        trainer_mod.Trainer(cfg)
