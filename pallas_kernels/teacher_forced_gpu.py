@@ -1,19 +1,24 @@
-"""Flash attention under a per-query page mask: teacher-forced sparse attention's forward and
-backward as Pallas kernels (Triton lowering on GPU, interpret mode on CPU).
+"""Teacher-forced sparse attention's forward and backward as Pallas kernels (Triton lowering
+on GPU, interpret mode on CPU): a selection kernel, then flash attention under a per-query page
+mask.
 
 Teacher forcing replays one decode step per position, each with its own page selection
-(docs/design.md, section 8). The selection is cheap and stays in XLA; what this module replaces
-is the attention, which the XLA formulation computes as ``[chunk, T]`` score tensors written to
-memory and read back by the mask, the softmax and the backward. Here scores live only in
+(docs/design.md, section 3). The XLA formulation computes ``[chunk, T]`` score tensors, written
+to memory and read back by the mask, the softmax and the backward; here scores live only in
 registers, FlashAttention-2 style, and a key block that no query of a query block selected is
-skipped outright.
+skipped. (Measured on the H100 at 8K and 32K with the paper schedule: no block is skipped,
+since each query's pages are its own and a block's union covers its prefix; BENCHMARKS.md.)
+
+* ``_select_kernel`` (:func:`select_pages_kernel`), grid ``(B, Hkv, C / rows)``: the block
+  top-k of ``rows`` queries from their float32 scores (computed in XLA), a bitwise threshold
+  search per query held on chip instead of a sort; equals
+  :func:`sparrow_jax.attention.selection.select_pages` bit for bit.
 
 The mask's format, :func:`page_words`: bit ``p % 32`` of ``words[b, h, p // 32, i]`` says
 whether query ``i`` of KV head ``h`` selected page ``p``. Key ``j`` is visible to query ``i``
 iff ``j <= i`` and the bit of page ``j // page_size`` is set. A key block lies inside one word
-(block_k divides ``32 * page_size``), so each block step loads one int32 per query.
-
-Three kernels, grid ``(B, Hq, blocks)``, query heads sharing their KV head's keys and mask:
+(block_k divides ``32 * page_size``), so each block step loads one int32 per query. Three
+attention kernels, grid ``(B, Hq, blocks)``, query heads sharing their KV head's keys and mask:
 
 * ``_forward_kernel``: per query block, an online softmax over the causal key blocks; writes
   the output and the log-sum-exp.
