@@ -197,7 +197,6 @@ def selection_agreement(q, centroids, table, lengths, budgets, max_pages):
     from sparrow_jax.attention import selection
     b, hq, d = q.shape
     h = centroids.shape[0]
-    m = table.shape[1]
     _, slots, count = select_page_lists(pad_heads(q, h), hq // h, centroids, table, lengths,
                                         budgets, page_size=P, max_pages=max_pages)
     slots, count = np.asarray(slots), np.asarray(count)[..., 0]

@@ -147,12 +147,12 @@ def time_contexts(batch, graphdef, params, state, contexts, *, repeats, variant=
                   label=""):
     """Per-step seconds at each context (:func:`sparrow_jax.rollout.profile.time_context`: the
     engine's own chunk, or a variant of its body) -> (state, rows)."""
-    run = None
-    if variant != "engine":
-        def run(st, reach):
-            del reach   # the variants attend to nothing: any table width
-            return _variant_chunk(graphdef, params, st, batch.config.steps_per_call,
-                                  settings=batch.settings, variant=variant)
+    def variant_chunk(st, reach):
+        del reach   # the variants attend to nothing: any table width
+        return _variant_chunk(graphdef, params, st, batch.config.steps_per_call,
+                              settings=batch.settings, variant=variant)
+
+    run = None if variant == "engine" else variant_chunk
     rows = []
     for ctx in contexts:
         c0 = _compile_seconds[0]

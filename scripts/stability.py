@@ -21,7 +21,6 @@ on the needle task (configs/demo.yaml) under five rollout settings, several seed
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import json
 import sys
 import time

@@ -1,17 +1,19 @@
-"""Continuous refill against the static engine under a data-parallel mesh (data=8, 8 simulated
-CPU devices): the same samples with 2, 5 and 16 slots, with and without preemption, per-prompt
-caps included; every sample back once, every page free. Refill itself runs on one device (it has
-no mesh yet, docs/design.md, section 11); the reference is ``generate(mesh=)``.
+"""Continuous refill under a device mesh against the static engine on the same mesh: the same
+samples with 2, 5 and 16 slots per row shard, with and without preemption, per-prompt caps
+included; every sample back once, every page of every shard's pool free. Meshes (8, 1, 1): a
+queue and pool per data shard, two of them with no prompts; (2, 2, 2): rows over data x fsdp,
+KV heads over tensor.
 
-Runs in a subprocess (this file as a script); directly::
+Runs in a subprocess (this file as a script) on 8 simulated CPU devices; directly::
 
     XLA_FLAGS=--xla_force_host_platform_device_count=8 JAX_PLATFORMS=cpu \\
-        python tests/test_engine_refill_mesh.py
+        python tests/test_engine_refill_mesh.py 2,2,2 8,1,1
 """
 
 from __future__ import annotations
 
 import dataclasses
+import sys
 from pathlib import Path
 
 import jax
@@ -19,27 +21,46 @@ import numpy as np
 import pytest
 
 from conftest import run_on_simulated_devices
-from test_engine_mesh import CFG, LENGTHS, N, P, R, V, _compare, _prompts
+from test_engine_mesh import CFG, N, P, R, V, _compare
 
-CAPS = (4, 10, 7, 1, 9)
-RUNS = ((2, 11), (5, 11), (16, 11), (16, 200))   # (slots, pool): 11 pages force preemption
+LENGTHS = (5, 8, 21, 3, 13, 17, 2, 9, 22, 6, 11, 4)   # 12 prompts: 8 shards hold 2, 2, ..., 0, 0
+CAPS = (4, 10, 7, 1, 9, 10, 3, 10, 6, 2, 8, 10)
+SLOTS = (2, 5, 16)     # per row shard
+SMALL_POOL = 11        # per shard: two 8-page rows of the longest prompts cannot grow at once
+
+
+def _run(*meshes: str) -> str:
+    out = run_on_simulated_devices(Path(__file__).resolve(), *meshes)
+    assert out.count("same tokens") == out.count("pages free") > 0, out
+    return out
+
+
+def test_refill_on_a_2x2x2_mesh_equals_the_static_engine():
+    out = _run("2,2,2", "--short")
+    assert "checked 2 refill runs" in out, out
 
 
 @pytest.mark.slow
-def test_refill_equals_data_parallel_static():
-    out = run_on_simulated_devices(Path(__file__).resolve())
-    assert f"checked {2 * len(RUNS)} refill runs" in out, out
+def test_refill_on_every_mesh_equals_the_static_engine():
+    out = _run("2,2,2", "8,1,1")
+    assert f"checked {2 * 2 * (len(SLOTS) + 1)} refill runs" in out, out
 
 
-def main() -> None:
+def _prompts():
+    rng = np.random.default_rng(1)
+    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
+
+
+def main(argv: list[str]) -> None:
     jax.config.update("jax_default_matmul_precision", "highest")
     from sparrow_jax.models.qwen3 import init_model
     from sparrow_jax.rollout.engine import RolloutConfig, generate
     from sparrow_jax.rollout.refill import run_refill
     from sparrow_jax.schedule import BudgetSchedule
 
+    short = "--short" in argv
+    meshes = [tuple(int(x) for x in a.split(",")) for a in argv if a != "--short"]
     assert jax.device_count() == 8, jax.devices()
-    mesh = jax.make_mesh((8, 1, 1), ("data", "fsdp", "tensor"))
     model = init_model(CFG, seed=0)
     config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
                            prompt_multiple=32, steps_per_call=3, dense_layers=(0,), page_seed=3,
@@ -47,24 +68,33 @@ def main() -> None:
     schedule = BudgetSchedule.fixed(3, page_size=P)
     key = jax.random.key(4)
     checked = 0
-    preempted = {True: 0, False: 0}      # small pool: runs that preempted
-    for caps in (None, CAPS):
-        ref = generate(model, _prompts(), config, key, schedule, mesh=mesh, max_new_tokens=caps)
-        for slots, pool in RUNS:
-            got, stats = run_refill(model, _prompts(), dataclasses.replace(config, num_pages=pool),
-                                    key, schedule, slots=slots, max_new_tokens=caps)
-            label = f"caps {caps}, {slots} slots, pool {pool}"
-            _compare(ref, got, key, label)
-            np.testing.assert_array_equal(np.asarray(got.response_lengths),
-                                          np.asarray(ref.response_lengths))
-            assert stats.returned == len(LENGTHS) * N, label
-            assert stats.pages_in_use_after == 0 and stats.sequences_after == 0, label
-            preempted[pool == 11] += stats.preemptions > 0
-            print(f"{label}: {stats}")
-            checked += 1
-    assert preempted[True] >= 1 and preempted[False] == 0, preempted
+    for shape in meshes:
+        mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"))
+        shards = shape[0] * shape[1]
+        runs = ([(5, SMALL_POOL)] if short else
+                [(s, SMALL_POOL) for s in SLOTS] + [(SLOTS[-1], 200)])
+        preempted = {True: 0, False: 0}
+        for caps in (None, CAPS):
+            ref = generate(model, _prompts(), config, key, schedule, mesh=mesh,
+                           max_new_tokens=caps)
+            for slots, pool in runs:
+                got, stats = run_refill(model, _prompts(),
+                                        dataclasses.replace(config, num_pages=pool), key,
+                                        schedule, slots=slots * shards, max_new_tokens=caps,
+                                        mesh=mesh)
+                label = f"mesh {shape}, caps {caps is not None}, {slots} slots/shard, pool {pool}"
+                _compare(ref, got, key, label)
+                np.testing.assert_array_equal(np.asarray(got.response_lengths),
+                                              np.asarray(ref.response_lengths))
+                assert stats.returned == len(LENGTHS) * N, label
+                assert stats.pages_in_use_after == 0 and stats.sequences_after == 0, label
+                assert stats.peak_pages <= pool - 1, label
+                preempted[pool == SMALL_POOL] += stats.preemptions > 0
+                print(f"{label}: every sample once, all pages free; {stats}")
+                checked += 1
+        assert preempted[True] >= 1 and preempted[False] == 0, (shape, preempted)
     print(f"checked {checked} refill runs")
 
 
 if __name__ == "__main__":
-    main()
+    main(sys.argv[1:])

@@ -1,6 +1,7 @@
 """The GRPO trainer on a device mesh (``TrainConfig.mesh``) against the same run on one device:
-the real rollout engine (``generate(mesh=)``), the recompute and the update on the mesh, and a
-checkpoint saved on one mesh resumed on another.
+the real rollout engine (``generate(mesh=)``, and continuous refill with a queue and pool per
+row shard), the recompute and the update on the mesh, and a checkpoint saved on one mesh
+resumed on another.
 
 XLA fixes the CPU device count when JAX starts, so when this process has one device the runs
 happen in a subprocess with 8 simulated CPU devices (``python tests/test_trainer_mesh.py``
@@ -61,13 +62,16 @@ def test_mesh_key_loads_and_names_bad_values(tmp_path):
 
 
 # ------------------------------------------------------------------------------ the runs
-def _run(run_dir: Path, mesh, *, steps=STEPS, resume=False) -> dict:
+def _run(run_dir: Path, mesh, *, steps=STEPS, resume=False, refill_slots=None) -> dict:
     """One run of the trainer (the engine's rollouts, recorded): its metrics lines and, per
     rollout, its tokens, sampled log-probs, top-k and each draw's Gumbel noise."""
     from sparrow_jax.rl import trainer as trainer_mod
 
     over = {"steps": steps} if mesh is None else {"steps": steps, "mesh": dict(
         zip(("data", "fsdp", "tensor"), mesh))}
+    if refill_slots is not None:
+        base = _config(run_dir)["rollout"]
+        over["rollout"] = {**base, "refill_slots": refill_slots}
     cfg = from_dict(TrainConfig, _config(run_dir, **over))
     inner, rollouts = trainer_mod.engine_rollout_fn(cfg, cfg.budget_schedule), []
 
@@ -102,16 +106,34 @@ def _record(out, key, n: int, prompt_ids, vocab: int) -> dict:
 
 def run_checks() -> dict:
     """One device for 3 steps; mesh (2, 4, 1) for 2 steps (checkpoint 2); that checkpoint
-    resumed on (2, 2, 2) for step 2. On fewer than 8 devices: (n, 1, 1) and (1, n, 1)."""
+    resumed on (2, 2, 2) for step 2; continuous refill on (2, 2, 2) for 2 steps, 2 slots per
+    row shard (fewer than its 4 rows). On fewer than 8 devices: (n, 1, 1) and (1, n, 1)."""
     n = jax.device_count()
     first, second = ((2, 4, 1), (2, 2, 2)) if n == 8 else ((n, 1, 1), (1, n, 1))
+    shards = second[0] * second[1]
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         ref = _run(tmp / "one", None)
         a = _run(tmp / "mesh", first, steps=2)
         b = _run(tmp / "mesh", second, resume=True)
+        c = _run(tmp / "refill", second, steps=2, refill_slots=2 * shards)
+        bad = _refused(tmp / "bad", second, refill_slots=2 * shards + 1)
     return {"devices": n, "platform": jax.default_backend(), "meshes": [first, second],
-            "reference": ref, "first": a, "resumed": b}
+            "reference": ref, "first": a, "resumed": b, "refill": c, "refused": bad}
+
+
+def _refused(run_dir: Path, mesh, refill_slots: int) -> str:
+    """The ConfigError of a trainer whose refill slots do not split over the mesh's shards."""
+    from sparrow_jax.rl import trainer as trainer_mod
+
+    cfg = from_dict(TrainConfig, _config(run_dir, mesh=dict(zip(("data", "fsdp", "tensor"), mesh)),
+                                         rollout={**_config(run_dir)["rollout"],
+                                                  "refill_slots": refill_slots}))
+    try:
+        trainer_mod.Trainer(cfg)
+    except ConfigError as e:
+        return str(e)
+    return "accepted"
 
 
 @pytest.fixture(scope="module")
@@ -215,6 +237,16 @@ def test_checkpoint_of_one_mesh_resumes_on_another(report):
     compared = _check_run(b["metrics"], a["rollouts"] + b["rollouts"], ref, report["platform"],
                           "resumed")
     assert report["platform"] != "cpu" or compared == STEPS
+
+
+def test_refill_rollouts_on_a_mesh_train_as_one_device(report):
+    ref, c = report["reference"], report["refill"]
+    assert len(c["rollouts"]) == len(c["metrics"]) == 2
+    compared = _check_run(c["metrics"], c["rollouts"], ref, report["platform"], "refill")
+    assert report["platform"] != "cpu" or compared == 2
+    shards = report["meshes"][1][0] * report["meshes"][1][1]
+    assert report["refused"] == (f"rollout.refill_slots={2 * shards + 1} does not split over the "
+                                 f"{shards} row shards (data x fsdp) rollouts sample on"), report
 
 
 if __name__ == "__main__":

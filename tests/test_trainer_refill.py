@@ -1,7 +1,7 @@
 """The GRPO trainer with continuous-refill rollouts (``rollout.refill_slots``) on a tiny model
 with the real engine, sparse past layer 0: refill samples the same tokens per sample as static
 batches (tests/test_refill.py), so three steps with 3 slots (fewer than the step's 8 rows)
-give the static run's metrics and weights. A mesh is refused when the trainer starts."""
+give the static run's metrics and weights. On a mesh: tests/test_trainer_mesh.py."""
 
 import json
 
@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from sparrow_jax.config import ConfigError, ModelConfig, from_dict, to_dict
+from sparrow_jax.config import ConfigError, ModelConfig, from_dict
 from sparrow_jax.rl import trainer as trainer_mod
 from sparrow_jax.rl.config import TrainConfig
 from sparrow_jax.rollout import refill as refill_mod
@@ -56,7 +56,3 @@ def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
 def test_refill_slots_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="rollout.refill_slots must be an int >= 1"):
         _cfg(tmp_path, refill_slots=0)
-    cfg = from_dict(TrainConfig, {**to_dict(_cfg(tmp_path, refill_slots=2)),
-                                  "mesh": {"data": 1, "fsdp": 1, "tensor": 1}})
-    with pytest.raises(ConfigError, match="continuous refill runs on one device"):
-        trainer_mod.Trainer(cfg)

@@ -187,10 +187,12 @@ class Trainer:
             raise ConfigError(f"data.prompts_per_step={config.data.prompts_per_step} does not "
                               f"split over {self.processes} processes")
         self.mesh = _mesh(config, self.processes)
-        if config.rollout.refill_slots is not None and self.mesh is not None:
-            raise ConfigError(f"rollout.refill_slots={config.rollout.refill_slots}: continuous "
-                              "refill runs on one device, not on a mesh (set refill_slots: null, "
-                              "or train on one device in one process)")
+        slots, rollout_mesh = config.rollout.refill_slots, self._rollout_mesh()
+        if slots is not None and rollout_mesh is not None:
+            shards = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]
+            if slots % shards:
+                raise ConfigError(f"rollout.refill_slots={slots} does not split over the "
+                                  f"{shards} row shards (data x fsdp) rollouts sample on")
         self.model, self.model_config = load_policy(config.model, self.mesh)
         self.distill = self.distill_state = None
         if config.distill.enabled:
@@ -317,13 +319,19 @@ class Trainer:
         whole = jax.jit(lambda s: s, out_shardings=jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec()))(state)
         local = jax.tree.map(lambda x: x.addressable_data(0), whole)
+        return nnx.merge(graphdef, local), self._rollout_mesh()
+
+    def _rollout_mesh(self):
+        """The mesh rollouts sample on: the run's, with one process; with several, one of this
+        process's own devices (None when it has one)."""
+        if self.processes == 1:
+            return self.mesh
         devices = jax.local_devices()
-        mesh = None
-        if len(devices) > 1:
-            tensor = self.mesh.shape["tensor"]
-            mesh = sharding.make_mesh(sharding.MeshConfig(
-                data=1, fsdp=-1, tensor=tensor if len(devices) % tensor == 0 else 1), devices)
-        return nnx.merge(graphdef, local), mesh
+        if len(devices) == 1:
+            return None
+        tensor = self.mesh.shape["tensor"]
+        return sharding.make_mesh(sharding.MeshConfig(
+            data=1, fsdp=-1, tensor=tensor if len(devices) % tensor == 0 else 1), devices)
 
     def _abandonable(self):
         """Signals abandon the phase at once with one process; with several, a process must

@@ -286,7 +286,7 @@ def plan_batch(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
         raise ValueError(f"the schedule counts pages of {schedule.page_size} tokens, the cache "
                          f"{config.page_size}")
     if mesh is not None:
-        _check_mesh(mesh, cfg)
+        check_mesh(mesh, cfg)
     caps = prompt_caps(max_new_tokens, len(prompts), config)
 
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
@@ -379,13 +379,15 @@ def read_out(batch: DecodeBatch, state: LoopState) -> Rollout:
     return out
 
 
-def _check_mesh(mesh: Mesh, model_config) -> None:
+def check_mesh(mesh: Mesh, model_config, caller: str = "generate") -> None:
+    """ValueError unless ``mesh`` has the rollout's axes and its ``tensor`` axis divides the
+    model's KV heads."""
     if set(mesh.axis_names) != {*ROWS, HEADS}:
-        raise ValueError(f"generate: the mesh's axes must be ('data', 'fsdp', 'tensor'), got "
+        raise ValueError(f"{caller}: the mesh's axes must be ('data', 'fsdp', 'tensor'), got "
                          f"{mesh.axis_names}")
     t, h = mesh.shape[HEADS], model_config.num_key_value_heads
     if h % t:
-        raise ValueError(f"generate: mesh axis tensor={t} must divide the model's {h} KV heads")
+        raise ValueError(f"{caller}: mesh axis tensor={t} must divide the model's {h} KV heads")
 
 
 class BatchLayout(NamedTuple):
@@ -526,4 +528,4 @@ def _progress(config: RolloutConfig, total: int):
 
 __all__ = ["RolloutConfig", "generate", "plan_batch", "DecodeBatch", "BatchLayout", "model_params",
            "start_batch", "decode_chunk", "read_out", "prompt_caps", "prompt_width", "pool_size",
-           "pages_in_free_memory"]
+           "pages_in_free_memory", "check_mesh"]

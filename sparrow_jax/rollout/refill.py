@@ -35,15 +35,18 @@ from typing import Sequence
 import jax
 import jax.numpy as jnp
 import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
 from sparrow_jax.attention.paged_cache import init_cache
 from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
-from sparrow_jax.rollout.decode_loop import (UNFINISHED, DecodeSettings, LoopState, run_chunk,
-                                             start, table_width)
-from sparrow_jax.rollout.engine import (RolloutConfig, model_params, pool_size, prompt_caps,
-                                        prompt_width)
+from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, UNFINISHED, DecodeSettings, LoopState,
+                                             cache_specs, loop_specs, run_chunk, sharded_cache,
+                                             start,
+                                             table_width)
+from sparrow_jax.rollout.engine import (RolloutConfig, check_mesh, model_params, pool_size,
+                                        prompt_caps, prompt_width)
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
@@ -67,13 +70,14 @@ class GrowingPageAllocator(PageAllocator):
 
 @dataclasses.dataclass(frozen=True)
 class RefillStats:
-    """What one refill run did. ``pages_in_use_after`` is 0 when every page came back."""
+    """What one refill run did. ``pages_in_use_after`` is 0 when every page came back. Under a
+    mesh, ``num_pages`` and ``peak_pages`` are per row shard's pool, the rest summed."""
 
     chunks: int
     admissions: int           # samples admitted, readmissions included
     preemptions: int          # samples preempted
     returned: int             # rows harvested into the result (each sample once: S = N*n)
-    peak_pages: int           # most pages in use at once (the null page excluded)
+    peak_pages: int           # most pages in use at once in a pool (the null page excluded)
     num_pages: int            # the pool, the null page included
     pages_in_use_after: int
     sequences_after: int      # sequences still holding pages after the run (0)
@@ -94,19 +98,27 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
                     prefill_rows: int | None = None, lora: bool = False,
                     prompt_ids: Sequence[int] | None = None,
                     schedule_bound: BudgetSchedule | None = None,
-                    max_new_tokens: int | Sequence[int] | None = None) -> Rollout:
+                    max_new_tokens: int | Sequence[int] | None = None,
+                    mesh: Mesh | None = None) -> Rollout:
     """:func:`~sparrow_jax.rollout.engine.generate` with ``slots`` decode slots refilled as rows
     finish, pages allocated as rows grow from a pool of ``config.num_pages`` (sized as
     :func:`~sparrow_jax.rollout.engine.pool_size` says). Same arguments and result layout (rows
     ``i*n .. i*n+n-1`` answer prompt i), same tokens per sample.
 
-    ``prefill_rows``: the rows one admission prefills, the newcomers padded to it (one
-    compilation); None: the next power of two of the newcomers, at most ``slots`` (less padded
-    work, a compilation per power). ``schedule_bound``, ``max_new_tokens`` (per-prompt caps):
-    as in ``generate``; a row's pages grow up to its own cap."""
+    ``prefill_rows``: the rows one admission prefills per row shard, the newcomers padded to it
+    (one compilation); None: the next power of two of the newcomers, at most the shard's slots
+    (less padded work, a compilation per power). ``schedule_bound``, ``max_new_tokens``
+    (per-prompt caps): as in ``generate``; a row's pages grow up to its own cap.
+
+    ``mesh`` (axes ``data``, ``fsdp``, ``tensor``, as in ``generate``): the prompts split into
+    equal contiguous parts, one per row shard (``data`` x ``fsdp``), each shard with its own
+    queue, pool of ``num_pages`` and ``slots / shards`` slots (``slots`` a multiple of the
+    shards); the chunks run every shard at once, the KV heads split over ``tensor``. Same
+    tokens per sample as without it, up to float rounding in the logits."""
     return run_refill(model, prompts, config, key, schedule, slots=slots,
                       prefill_rows=prefill_rows, lora=lora, prompt_ids=prompt_ids,
-                      schedule_bound=schedule_bound, max_new_tokens=max_new_tokens)[0]
+                      schedule_bound=schedule_bound, max_new_tokens=max_new_tokens,
+                      mesh=mesh)[0]
 
 
 def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
@@ -114,7 +126,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                prefill_rows: int | None = None, lora: bool = False,
                prompt_ids: Sequence[int] | None = None,
                schedule_bound: BudgetSchedule | None = None,
-               max_new_tokens: int | Sequence[int] | None = None
+               max_new_tokens: int | Sequence[int] | None = None, mesh: Mesh | None = None
                ) -> tuple[Rollout, RefillStats]:
     """:func:`generate_refill` -> (rollout, :class:`RefillStats`)."""
     cfg = model.config
@@ -124,11 +136,16 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                          "one token")
     for p in prompts:
         check_tokens(p, cfg.vocab_size)
-    if slots < 1:
-        raise ValueError(f"generate_refill: slots must be >= 1, got {slots}")
-    if prefill_rows is not None and not 1 <= prefill_rows <= slots:
-        raise ValueError(f"generate_refill: prefill_rows must be in [1, slots={slots}], got "
-                         f"{prefill_rows}")
+    if mesh is not None:
+        check_mesh(mesh, cfg, "generate_refill")
+    groups = 1 if mesh is None else mesh.shape[ROWS[0]] * mesh.shape[ROWS[1]]
+    if slots < 1 or slots % groups:
+        raise ValueError(f"generate_refill: slots must be a positive multiple of the mesh's "
+                         f"{groups} row shard(s), got {slots}")
+    per = slots // groups
+    if prefill_rows is not None and not 1 <= prefill_rows <= per:
+        raise ValueError(f"generate_refill: prefill_rows must be in [1, slots per row shard="
+                         f"{per}], got {prefill_rows}")
     if schedule is not None and schedule.page_size != config.page_size:
         raise ValueError(f"the schedule counts pages of {schedule.page_size} tokens, the cache "
                          f"{config.page_size}")
@@ -142,7 +159,14 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     p, r, n, c = config.page_size, config.max_new_tokens, config.n, config.steps_per_call
     lengths = np.array([len(x) for x in prompts], np.int32)
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
-    num_pages = pool_size(config, cfg, lengths, cache_dtype, max_new_tokens=caps)
+    # Prompts in G equal contiguous parts, one per row shard, as generate(mesh=) splits them.
+    k = -(-len(prompts) // groups)
+    parts = [range(g * k, min((g + 1) * k, len(prompts))) for g in range(groups)]
+    tensor = 1 if mesh is None else mesh.shape[HEADS]
+    device = None if mesh is None else mesh.devices.flat[0]
+    num_pages = max(pool_size(config, cfg, lengths[list(part)], cache_dtype,
+                              max_new_tokens=caps[list(part)], kv_head_shards=tensor,
+                              device=device) for part in parts if len(part))
     one = pages_needed(lengths, 1, caps, p)
     if one.max() > num_pages - 1:
         raise ValueError(f"generate_refill: num_pages={num_pages} cannot hold one sample of "
@@ -153,16 +177,19 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         tokens[i, :len(x)] = x
     width = -(-(tp + r) // p)
     shape, values, bound = runtime_schedule(schedule, schedule_bound, width)
-    settings = DecodeSettings.from_config(config, cfg.vocab_size, shape,
-                                          lora=lora).for_width(bound, width)
-    graphdef, params = model_params(model)
-    alloc = GrowingPageAllocator(num_pages, p, seed=config.page_seed)
+    settings = DecodeSettings.from_config(config, cfg.vocab_size, shape, lora=lora,
+                                          mesh=mesh).for_width(bound, width)
+    graphdef, params = model_params(model, mesh)
+    shards = [_Shard(alloc=GrowingPageAllocator(num_pages, p, seed=config.page_seed),
+                     queue=collections.deque((i, j) for i in part for j in range(n)),
+                     slots=range(g * per, (g + 1) * per), first=g * k)
+              for g, part in enumerate(parts)]
     table = np.full((slots, width), NULL_PAGE, np.int32)   # the host's page table, per slot
     state = _empty_state(cfg, num_pages, slots, tp + r, r, settings.top_k, config, cache_dtype,
-                         key)
+                         key, mesh)
     num_rows = len(prompts) * n
-    out = _empty_output(num_rows, tp + r, r, settings.top_k, n)
-    queue = collections.deque((i, j) for i in range(len(prompts)) for j in range(n))
+    # Result rows per shard (k prompts x n, placeholders past the prompts: cut at the end).
+    out = _empty_output(groups * k * n, tp + r, r, settings.top_k, n, mesh)
     held: list[_Slot | None] = [None] * slots
     counters = collections.Counter()
     peak = 0
@@ -174,41 +201,48 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         # The next chunk writes positions cache_length .. cache_length + c - 1.
         return max(min(-(-(slot.cache_length + c) // p), cap_pages(slot)) - slot.pages, 0)
 
-    def release(s: int) -> None:
-        alloc.release(held[s].seq_id)
+    def release(shard: _Shard, s: int) -> None:
+        shard.alloc.release(held[s].seq_id)
         held[s] = None
         table[s] = NULL_PAGE
 
-    while queue or any(h is not None for h in held):
-        # Grow the running rows, preempting the newest while the pool falls short.
-        evicted = []
-        while True:
-            running = [s for s, h in enumerate(held) if h is not None]
-            need = sum(growth(held[s]) for s in running)
-            if need <= alloc.num_free:
-                break
-            newest = max(running, key=lambda s: held[s].order)
-            evicted.append((held[newest].prompt, held[newest].sample))
-            release(newest)
-            state = state._replace(finish=state.finish.at[newest].set(int(FinishReason.LENGTH)))
-        counters["preemptions"] += len(evicted)
-        queue.extendleft(sorted(evicted, reverse=True))
-        for s, h in enumerate(held):
-            if h is not None and growth(h):
-                more = growth(h)
-                table[s, h.pages:h.pages + more] = alloc.extend(h.seq_id, more)
-                h.pages += more
+    while any(sh.queue for sh in shards) or any(h is not None for h in held):
+        # Per shard: grow the running rows, preempting the newest while its pool falls short.
+        preempted = []
+        for sh in shards:
+            evicted = []
+            while True:
+                running = [s for s in sh.slots if held[s] is not None]
+                if sum(growth(held[s]) for s in running) <= sh.alloc.num_free:
+                    break
+                newest = max(running, key=lambda s: held[s].order)
+                evicted.append((held[newest].prompt, held[newest].sample))
+                preempted.append(newest)
+                release(sh, newest)
+            sh.queue.extendleft(sorted(evicted, reverse=True))
+            for s in sh.slots:
+                if held[s] is not None and growth(held[s]):
+                    h, more = held[s], growth(held[s])
+                    table[s, h.pages:h.pages + more] = sh.alloc.extend(h.seq_id, more)
+                    h.pages += more
+        if preempted:
+            counters["preemptions"] += len(preempted)
+            finish = np.array(state.finish)
+            finish[preempted] = int(FinishReason.LENGTH)
+            state = state._replace(finish=_put_rows(finish, mesh))
 
-        state = _admit_pending(state, queue, held, table, alloc, counters, graphdef, params,
-                               tokens, lengths, caps, ids, key, settings, config, width,
-                               prefill_rows)
-        peak = max(peak, alloc.num_usable - alloc.num_free)
-        if all(h is None for h in held):
-            raise RuntimeError("generate_refill: no sample could be admitted into an empty pool")
+        state = _admit_pending(state, shards, held, table, counters, graphdef, params, tokens,
+                               lengths, caps, ids, key, settings, config, width, prefill_rows)
+        peak = max([peak] + [sh.alloc.num_usable - sh.alloc.num_free for sh in shards])
+        for g, sh in enumerate(shards):
+            if sh.queue and all(held[s] is None for s in sh.slots):
+                raise RuntimeError(f"generate_refill: no sample could be admitted into the "
+                                   f"empty pool of row shard {g}")
 
         longest = max(h.cache_length for h in held if h is not None)
         w = table_width(longest + c + 1, p, width, config.table_bucket_pages)
-        state = state._replace(cache=state.cache.replace(page_table=jnp.asarray(table[:, :w])))
+        state = state._replace(cache=state.cache.replace(
+            page_table=_put_rows(table[:, :w], mesh)))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             state, _ = run_chunk(graphdef, params, state, values, c,
@@ -216,44 +250,64 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         counters["chunks"] += 1
 
         finish, cache_lengths = np.asarray(state.finish), np.asarray(state.cache.lengths)
-        dst = np.full(slots, num_rows, np.int32)     # out of range: not collected
-        for s, h in enumerate(held):
-            if h is None:
-                continue
-            h.cache_length = int(cache_lengths[s])
-            if finish[s] != UNFINISHED:
-                dst[s] = h.prompt * n + h.sample
-                counters["returned"] += 1
-                release(s)
-        if (dst < num_rows).any():
-            out = _collect(out, state, jnp.asarray(dst))
+        dst = np.full(slots, k * n, np.int32)     # out of range: not collected
+        for sh in shards:
+            for s in sh.slots:
+                h = held[s]
+                if h is None:
+                    continue
+                h.cache_length = int(cache_lengths[s])
+                if finish[s] != UNFINISHED:
+                    dst[s] = (h.prompt - sh.first) * n + h.sample
+                    counters["returned"] += 1
+                    release(sh, s)
+        if (dst < k * n).any():
+            out = _collect(out, state, _put_rows(dst, mesh), mesh=mesh)
 
+    if groups * k * n > num_rows:   # placeholder rows: replicate, cut
+        if mesh is not None:
+            out = jax.device_put(out, NamedSharding(mesh, PartitionSpec()))
+        out = jax.tree.map(lambda x: x[:num_rows], out)
     stats = RefillStats(
         chunks=counters["chunks"], admissions=counters["admissions"],
         preemptions=counters["preemptions"], returned=counters["returned"], peak_pages=peak,
         num_pages=num_pages,
-        pages_in_use_after=alloc.num_usable - alloc.num_free,
-        sequences_after=alloc.num_allocated_sequences)
+        pages_in_use_after=sum(sh.alloc.num_usable - sh.alloc.num_free for sh in shards),
+        sequences_after=sum(sh.alloc.num_allocated_sequences for sh in shards))
     return out, stats
 
 
-def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAllocator, counters,
-                   graphdef, params, tokens, lengths, caps, ids, key,
-                   settings: DecodeSettings, config: RolloutConfig, width: int,
-                   prefill_rows: int | None) -> LoopState:
-    """Admits queued samples in order while a slot is free and the pool holds their prompt pages
-    and first chunk; prefills them (one call) and scatters them into their slots."""
-    p, r, c = config.page_size, config.max_new_tokens, config.steps_per_call
-    first = np.minimum(c, caps)      # [N] tokens each prompt's first chunk may write
-    free_slots = [s for s, h in enumerate(held) if h is None]
-    groups: list[list] = []          # [prompt, samples]
+@dataclasses.dataclass
+class _Shard:
+    """One row shard's host side: its pool, its queue of (prompt, sample), its slots, its first
+    prompt."""
+
+    alloc: GrowingPageAllocator
+    queue: collections.deque
+    slots: range
+    first: int
+
+
+def _put_rows(x: np.ndarray, mesh: Mesh | None) -> jax.Array:
+    """A host array of slots onto the device(s), split over the mesh's row shards."""
+    if mesh is None:
+        return jnp.asarray(x)
+    return jax.device_put(x, NamedSharding(mesh, PartitionSpec(ROWS)))
+
+
+def _pick_newcomers(shard: _Shard, held, lengths, first, p: int, c: int,
+                    limit: int | None) -> list[list]:
+    """Pops the queued samples one shard admits, in order, while a slot is free and its pool
+    holds their prompt pages and first chunk -> ``[[prompt, [samples]], ...]``."""
+    free = sum(held[s] is None for s in shard.slots)
     # Keep back the pages the running rows take in the next chunk, so that newcomers are not
-    # preempted by the growth of the rows already there (thrashing); an empty batch admits.
-    reserve = sum(-(-c // p) + 1 for h in held if h is not None)
-    budget = alloc.num_free - reserve if len(free_slots) < len(held) else alloc.num_free
+    # preempted by the growth of the rows already there (thrashing); an empty shard admits.
+    reserve = sum(-(-c // p) + 1 for s in shard.slots if held[s] is not None)
+    budget = shard.alloc.num_free - reserve if free < len(shard.slots) else shard.alloc.num_free
+    groups: list[list] = []
     taken = 0
-    while queue and taken < min(len(free_slots), prefill_rows or len(free_slots)):
-        i, j = queue[0]
+    while shard.queue and taken < min(free, limit or free):
+        i, j = shard.queue[0]
         new_group = not groups or groups[-1][0] != i
         cost = int(pages_needed(lengths[i], 1 if new_group else 2, first[i], p)[0])
         if not new_group:   # one more sample of the last group: its own pages only
@@ -261,79 +315,111 @@ def _admit_pending(state: LoopState, queue, held, table, alloc: GrowingPageAlloc
         if cost > budget:
             break
         budget -= cost
-        queue.popleft()
+        shard.queue.popleft()
         if new_group:
             groups.append([i, []])
         groups[-1][1].append(j)
         taken += 1
-    if not taken:
+    return groups
+
+
+def _admit_pending(state: LoopState, shards: list[_Shard], held, table, counters, graphdef,
+                   params, tokens, lengths, caps, ids, key, settings: DecodeSettings,
+                   config: RolloutConfig, width: int, prefill_rows: int | None) -> LoopState:
+    """Admits queued samples into each shard's free slots (:func:`_pick_newcomers`), prefills
+    them (one call for every shard: k rows each) and scatters them into their slots."""
+    p, r, c = config.page_size, config.max_new_tokens, config.steps_per_call
+    first = np.minimum(c, caps)      # [N] tokens each prompt's first chunk may write
+    picked = [_pick_newcomers(sh, held, lengths, first, p, c, prefill_rows) for sh in shards]
+    taken = [sum(len(g[1]) for g in groups) for groups in picked]
+    if not any(taken):
         return state
 
-    # Rows and prompt entries, bucketed to powers of two (a compilation each), at most S.
-    k = min(1 << (taken - 1).bit_length(), len(held)) if prefill_rows is None else prefill_rows
-    prompts = [g[0] for g in groups]
-    counts = [len(g[1]) for g in groups]
-    a = alloc.allocate(lengths[prompts], counts, first[prompts], max_pages_per_seq=width)
-    prefill_table = np.full((k, width), NULL_PAGE, np.int32)
-    prefill_table[:len(prompts)] = a.prefill_page_table
-    row_table = np.full((k, width), NULL_PAGE, np.int32)
-    row_table[:taken] = a.page_table
-    prompt_index = np.zeros(k, np.int32)
-    prompt_index[:taken] = a.prompt_index
-    prompt_tokens = np.zeros((k, tokens.shape[1]), np.int32)
-    prompt_tokens[:len(prompts)] = tokens[prompts]
-    prompt_lengths = np.ones(k, np.int32)
-    prompt_lengths[:len(prompts)] = lengths[prompts]
-    new_caps = np.ones(k, np.int32)
-    new_caps[:len(prompts)] = caps[prompts]
-    copy_src = np.full(k, NULL_PAGE, np.int32)
-    copy_dst = np.full(k, NULL_PAGE, np.int32)
-    copy_src[:len(a.copy_src)] = a.copy_src
-    copy_dst[:len(a.copy_dst)] = a.copy_dst
-    samples = [(g[0], j) for g in groups for j in g[1]]
-    stream_prompts = np.zeros(k, np.int32)
-    stream_samples = np.zeros(k, np.int32)
-    stream_prompts[:taken] = [ids[i] for i, _ in samples]
-    stream_samples[:taken] = [j for _, j in samples]
-    live = np.arange(k) < taken
-    dst = np.full(k, len(held), np.int32)          # out of range: placeholder rows dropped
-    dst[:taken] = free_slots[:taken]
+    # Rows and prompt entries per shard, bucketed to powers of two (a compilation each).
+    per = len(shards[0].slots)
+    k = min(1 << (max(taken) - 1).bit_length(), per) if prefill_rows is None else prefill_rows
+    g_count = len(shards)
+    prefill_table = np.full((g_count, k, width), NULL_PAGE, np.int32)
+    row_table = np.full((g_count, k, width), NULL_PAGE, np.int32)
+    prompt_index = np.zeros((g_count, k), np.int32)
+    prompt_tokens = np.zeros((g_count, k, tokens.shape[1]), np.int32)
+    prompt_lengths = np.ones((g_count, k), np.int32)
+    new_caps = np.ones((g_count, k), np.int32)
+    copy_src = np.full((g_count, k), NULL_PAGE, np.int32)
+    copy_dst = np.full((g_count, k), NULL_PAGE, np.int32)
+    stream_prompts = np.zeros((g_count, k), np.int32)
+    stream_samples = np.zeros((g_count, k), np.int32)
+    live = np.zeros((g_count, k), bool)
+    dst = np.full((g_count, k), per, np.int32)     # out of range: placeholder rows dropped
+    for g, (sh, groups) in enumerate(zip(shards, picked)):
+        if not groups:
+            continue
+        prompts = [grp[0] for grp in groups]
+        counts = [len(grp[1]) for grp in groups]
+        a = sh.alloc.allocate(lengths[prompts], counts, first[prompts], max_pages_per_seq=width)
+        m, t = len(prompts), taken[g]
+        prefill_table[g, :m] = a.prefill_page_table
+        row_table[g, :t] = a.page_table
+        prompt_index[g, :t] = a.prompt_index
+        prompt_tokens[g, :m] = tokens[prompts]
+        prompt_lengths[g, :m] = lengths[prompts]
+        new_caps[g, :m] = caps[prompts]
+        copy_src[g, :len(a.copy_src)] = a.copy_src
+        copy_dst[g, :len(a.copy_dst)] = a.copy_dst
+        samples = [(grp[0], j) for grp in groups for j in grp[1]]
+        stream_prompts[g, :t] = [ids[i] for i, _ in samples]
+        stream_samples[g, :t] = [j for _, j in samples]
+        live[g, :t] = True
+        free = [s for s in sh.slots if held[s] is None][:t]
+        dst[g, :t] = [s - sh.slots.start for s in free]
+        pages = -(-(lengths[prompts] + first[prompts]) // p)
+        for row, ((i, j), s) in enumerate(zip(samples, free)):
+            counters["order"] += 1
+            held[s] = _Slot(prompt=i, sample=j, seq_id=int(a.seq_ids[row]),
+                            order=counters["order"], pages=int(pages[a.prompt_index[row]]),
+                            cache_length=int(lengths[i]))
+            table[s] = a.page_table[row]
+    counters["admissions"] += sum(taken)
 
+    mesh = settings.mesh
+
+    def put(x):
+        return _put_rows(x.reshape((g_count * k,) + x.shape[2:]), mesh)
+
+    streams = stream_keys(key, stream_prompts.reshape(-1), stream_samples.reshape(-1))
+    if mesh is not None:
+        streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(ROWS)))
     # The pool is donated to the prefill and comes back as the newcomers' cache.
-    cache = _prefill_cache(state.cache, jnp.asarray(prefill_table))
+    cache = _prefill_cache(state.cache, put(prefill_table), mesh)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        new = start(graphdef, params, cache, jnp.asarray(prompt_tokens),
-                    jnp.asarray(prompt_lengths), jnp.asarray(new_caps), jnp.asarray(row_table),
-                    jnp.asarray(prompt_index), jnp.asarray(copy_src), jnp.asarray(copy_dst),
-                    stream_keys(key, stream_prompts, stream_samples), jnp.asarray(live),
-                    settings=settings, response_capacity=r)
-    state = _admit(state._replace(cache=state.cache.replace(
+        new = start(graphdef, params, cache, put(prompt_tokens), put(prompt_lengths),
+                    put(new_caps), put(row_table), put(prompt_index), put(copy_src),
+                    put(copy_dst), streams, put(live), settings=settings, response_capacity=r)
+    state = state._replace(cache=state.cache.replace(
         k_pages=new.cache.k_pages, v_pages=new.cache.v_pages, centroids=new.cache.centroids,
-        kmin=new.cache.kmin, kmax=new.cache.kmax)), new._replace(cache=_rows_of(new.cache)),
-        jnp.asarray(dst))
-
-    pages = -(-(lengths[prompts] + first[prompts]) // p)
-    for row, ((i, j), s) in enumerate(zip(samples, free_slots)):
-        counters["order"] += 1
-        held[s] = _Slot(prompt=i, sample=j, seq_id=int(a.seq_ids[row]), order=counters["order"],
-                        pages=int(pages[a.prompt_index[row]]), cache_length=int(lengths[i]))
-        table[s] = a.page_table[row]
-    counters["admissions"] += taken
-    return state
+        kmin=new.cache.kmin, kmax=new.cache.kmax))
+    return _admit(state, new._replace(cache=_rows_of(new.cache)), put(dst), mesh=mesh)
 
 
-def _prefill_cache(cache, prefill_table: jax.Array):
-    """The pool of ``cache`` with empty per-row fields for the ``k`` newcomer prompts."""
+def _prefill_cache(cache, prefill_table: jax.Array, mesh: Mesh | None):
+    """The pool of ``cache`` with empty per-row fields for the ``k`` newcomer prompts (under
+    ``mesh``, split over its row shards as the cache's own fields are)."""
     k = prefill_table.shape[0]
+    specs = None if mesh is None else cache_specs(cache)
 
-    def rows(x):
-        return None if x is None else jnp.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
+    def zeros(x, name):
+        if x is None:
+            return None
+        x = np.zeros(x.shape[:1] + (k,) + x.shape[2:], x.dtype)
+        return x if mesh is None else jax.device_put(
+            x, NamedSharding(mesh, getattr(specs, name)))
 
-    return cache.replace(page_table=prefill_table, lengths=jnp.zeros((k,), jnp.int32),
-                         partial_sum=rows(cache.partial_sum),
-                         partial_min=rows(cache.partial_min),
-                         partial_max=rows(cache.partial_max))
+    return cache.replace(page_table=prefill_table,
+                         lengths=_put_rows(np.zeros((k,), np.int32), mesh),
+                         partial_sum=zeros(cache.partial_sum, "partial_sum"),
+                         partial_min=zeros(cache.partial_min, "partial_min"),
+                         partial_max=zeros(cache.partial_max, "partial_max"))
 
 
 def _rows_of(cache):
@@ -341,72 +427,110 @@ def _rows_of(cache):
     return (cache.lengths, cache.partial_sum, cache.partial_min, cache.partial_max)
 
 
-@functools.partial(jax.jit, donate_argnames=("state",))
-def _admit(state: LoopState, new: LoopState, dst: jax.Array) -> LoopState:
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _admit(state: LoopState, new: LoopState, dst: jax.Array, mesh: Mesh | None) -> LoopState:
     """Scatters the newcomer rows ``new [k]`` (cache: its per-row fields) into slots ``dst [k]``
-    of ``state [S]`` (``dst`` = S: dropped)."""
-    lengths, psum, pmin, pmax = new.cache
+    of ``state [S]`` (``dst`` = S: dropped). Under ``mesh``, per row shard (``dst`` local to
+    the shard's slots)."""
 
-    def put(old, value, axis=0):
-        if old is None:
-            return None
-        index = (slice(None),) * axis + (dst,)
-        return old.at[index].set(value, mode="drop")
+    def body(state, new, dst):
+        lengths, psum, pmin, pmax = new.cache
 
-    cache = state.cache.replace(
-        lengths=put(state.cache.lengths, lengths),
-        partial_sum=put(state.cache.partial_sum, psum, 1),
-        partial_min=put(state.cache.partial_min, pmin, 1),
-        partial_max=put(state.cache.partial_max, pmax, 1))
-    fields = {f: put(getattr(state, f), getattr(new, f)) for f in LoopState._fields if f != "cache"}
-    return LoopState(cache=cache, **fields)
+        def put(old, value, axis=0):
+            if old is None:
+                return None
+            index = (slice(None),) * axis + (dst,)
+            return old.at[index].set(value, mode="drop")
 
+        cache = state.cache.replace(
+            lengths=put(state.cache.lengths, lengths),
+            partial_sum=put(state.cache.partial_sum, psum, 1),
+            partial_min=put(state.cache.partial_min, pmin, 1),
+            partial_max=put(state.cache.partial_max, pmax, 1))
+        fields = {f: put(getattr(state, f), getattr(new, f))
+                  for f in LoopState._fields if f != "cache"}
+        return LoopState(cache=cache, **fields)
 
-@functools.partial(jax.jit, donate_argnames=("out",))
-def _collect(out: Rollout, state: LoopState, dst: jax.Array) -> Rollout:
-    """Copies slot s of ``state`` into row ``dst[s]`` of ``out`` (out of range: skipped)."""
-    def put(old, value):
-        return old.at[dst].set(value, mode="drop")
-
-    return out.replace(
-        tokens=put(out.tokens, state.tokens), prompt_lengths=put(out.prompt_lengths,
-                                                                  state.prompt_lengths),
-        response_lengths=put(out.response_lengths, state.response_lengths),
-        logprobs=put(out.logprobs, state.logprobs), topk_ids=put(out.topk_ids, state.topk_ids),
-        topk_logprobs=put(out.topk_logprobs, state.topk_logprobs),
-        budget_pages=put(out.budget_pages, state.budgets),
-        finish_reason=put(out.finish_reason, state.finish))
+    if mesh is None:
+        return body(state, new, dst)
+    specs = loop_specs(state.cache)
+    c = specs.cache
+    new_specs = specs._replace(cache=(c.lengths, c.partial_sum, c.partial_min, c.partial_max))
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, new_specs, PartitionSpec(ROWS)),
+                         out_specs=specs, check_vma=False)(state, new, dst)
 
 
-def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, key) -> LoopState:
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("out",))
+def _collect(out: Rollout, state: LoopState, dst: jax.Array, mesh: Mesh | None) -> Rollout:
+    """Copies slot s of ``state`` into row ``dst[s]`` of ``out`` (out of range: skipped); under
+    ``mesh``, per row shard (``dst`` local to the shard's rows of ``out``)."""
+
+    def body(out, state, dst):
+        def put(old, value):
+            return old.at[dst].set(value, mode="drop")
+
+        return out.replace(
+            tokens=put(out.tokens, state.tokens),
+            prompt_lengths=put(out.prompt_lengths, state.prompt_lengths),
+            response_lengths=put(out.response_lengths, state.response_lengths),
+            logprobs=put(out.logprobs, state.logprobs), topk_ids=put(out.topk_ids, state.topk_ids),
+            topk_logprobs=put(out.topk_logprobs, state.topk_logprobs),
+            budget_pages=put(out.budget_pages, state.budgets),
+            finish_reason=put(out.finish_reason, state.finish))
+
+    if mesh is None:
+        return body(out, state, dst)
+    rows = PartitionSpec(ROWS)
+    out_specs = jax.tree.map(lambda _: rows, out)
+    return jax.shard_map(body, mesh=mesh, in_specs=(out_specs, loop_specs(state.cache), rows),
+                         out_specs=out_specs, check_vma=False)(out, state, dst)
+
+
+def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, key,
+                 mesh: Mesh | None) -> LoopState:
     """S idle slots (finished; cache length 1 on the null page, so idle rows attend to
-    something) over an empty pool."""
-    cache = init_cache(model_config, num_pages, np.zeros((slots, 1), np.int32),
-                       page_size=config.page_size, dtype=cache_dtype, scorer=config.scorer)
-    cache = cache.replace(lengths=jnp.ones((slots,), jnp.int32))
+    something) over an empty pool (under ``mesh``, one pool of ``num_pages`` per row shard)."""
+    table = np.zeros((slots, 1), np.int32)
+    kwargs = dict(page_size=config.page_size, dtype=cache_dtype, scorer=config.scorer)
+    if mesh is None:
+        cache = init_cache(model_config, num_pages, table, **kwargs)
+    else:
+        cache = sharded_cache(model_config, num_pages, _put_rows(table, mesh), mesh=mesh,
+                              **kwargs)
+
+    def rows(x):
+        return _put_rows(x, mesh)
+
     return LoopState(
-        cache=cache, tokens=jnp.zeros((slots, t), jnp.int32),
-        prompt_lengths=jnp.ones((slots,), jnp.int32), last=jnp.zeros((slots,), jnp.int32),
-        response_lengths=jnp.zeros((slots,), jnp.int32),
-        finish=jnp.full((slots,), int(FinishReason.LENGTH), jnp.int32),
-        caps=jnp.zeros((slots,), jnp.int32),
-        logprobs=jnp.zeros((slots, r), jnp.float32),
-        topk_ids=jnp.zeros((slots, r, k), jnp.int32),
-        topk_logprobs=jnp.full((slots, r, k), -jnp.inf, jnp.float32),
-        budgets=jnp.zeros((slots, r), jnp.int32),
-        streams=stream_keys(key, np.zeros(slots), np.zeros(slots)))
+        cache=cache.replace(lengths=rows(np.ones((slots,), np.int32))),
+        tokens=rows(np.zeros((slots, t), np.int32)),
+        prompt_lengths=rows(np.ones((slots,), np.int32)),
+        last=rows(np.zeros((slots,), np.int32)),
+        response_lengths=rows(np.zeros((slots,), np.int32)),
+        finish=rows(np.full((slots,), int(FinishReason.LENGTH), np.int32)),
+        caps=rows(np.zeros((slots,), np.int32)),
+        logprobs=rows(np.zeros((slots, r), np.float32)),
+        topk_ids=rows(np.zeros((slots, r, k), np.int32)),
+        topk_logprobs=rows(np.full((slots, r, k), -np.inf, np.float32)),
+        budgets=rows(np.zeros((slots, r), np.int32)),
+        streams=stream_keys(key, np.zeros(slots), np.zeros(slots)) if mesh is None else
+        jax.device_put(stream_keys(key, np.zeros(slots), np.zeros(slots)),
+                       NamedSharding(mesh, PartitionSpec(ROWS))))
 
 
-def _empty_output(rows, t, r, k, n) -> Rollout:
+def _empty_output(rows, t, r, k, n, mesh: Mesh | None) -> Rollout:
+    def put(x):
+        return _put_rows(x, mesh)
+
     return Rollout(
-        tokens=jnp.zeros((rows, t), jnp.int32), prompt_lengths=jnp.zeros((rows,), jnp.int32),
-        response_lengths=jnp.zeros((rows,), jnp.int32),
-        logprobs=jnp.zeros((rows, r), jnp.float32),
-        topk_ids=jnp.zeros((rows, r, k), jnp.int32),
-        topk_logprobs=jnp.full((rows, r, k), -jnp.inf, jnp.float32),
-        budget_pages=jnp.zeros((rows, r), jnp.int32),
-        finish_reason=jnp.full((rows,), UNFINISHED, jnp.int32),
-        prompt_index=jnp.asarray(np.repeat(np.arange(rows // n, dtype=np.int32), n)))
+        tokens=put(np.zeros((rows, t), np.int32)), prompt_lengths=put(np.zeros((rows,), np.int32)),
+        response_lengths=put(np.zeros((rows,), np.int32)),
+        logprobs=put(np.zeros((rows, r), np.float32)),
+        topk_ids=put(np.zeros((rows, r, k), np.int32)),
+        topk_logprobs=put(np.full((rows, r, k), -np.inf, np.float32)),
+        budget_pages=put(np.zeros((rows, r), np.int32)),
+        finish_reason=put(np.full((rows,), UNFINISHED, np.int32)),
+        prompt_index=put(np.repeat(np.arange(rows // n, dtype=np.int32), n)))
 
 
 __all__ = ["generate_refill", "run_refill", "RefillStats", "GrowingPageAllocator"]
