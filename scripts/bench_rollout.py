@@ -66,7 +66,7 @@ from sparrow_jax.rollout.decode_loop import emit, top_k
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.rollout.length_mix import KINDS, length_mix
 from sparrow_jax.rollout.profile import fixed_context_batch, time_context
-from sparrow_jax.rollout.refill import generate_refill
+from sparrow_jax.rollout.refill import run_refill
 from sparrow_jax.schedule import BudgetSchedule
 from sparrow_jax.sharding import MeshConfig, make_mesh
 
@@ -413,9 +413,26 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
                     for i in range(0, args.rows, args.batch)]
             return np.concatenate([np.asarray(o.response_lengths) for o in outs])
 
+        trace, stats = [], []
+        clock = [time.perf_counter(), _compile_seconds[0]]
+
+        def on_chunk(info):
+            # The host waited for the chunk's results: the interval since the last call is
+            # this chunk plus the admissions before it (compilation apart).
+            now, comp = time.perf_counter(), _compile_seconds[0]
+            ctx = info["contexts"]
+            trace.append(dict(width=info["width"], steps=info["steps"], rows=len(ctx),
+                              context_sum=int(ctx.sum()), context_max=int(ctx.max()),
+                              seconds=now - clock[0] - (comp - clock[1])))
+            clock[:] = now, comp
+
         def refill():
-            return np.asarray(generate_refill(model, prompts, rc, key, schedule=sched,
-                                              slots=slots, max_new_tokens=caps).response_lengths)
+            clock[:] = time.perf_counter(), _compile_seconds[0]
+            ro, st = run_refill(model, prompts, rc, key, schedule=sched, slots=slots,
+                                max_new_tokens=caps, prefill_rows=args.prefill_rows,
+                                on_chunk=on_chunk)
+            stats.append(dataclasses.asdict(st))
+            return np.asarray(ro.response_lengths)
 
         entry = {}
         for name, fn in (("static", static), ("refill", refill)):
@@ -425,9 +442,10 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
                                tokens_per_s=float(lengths.sum()) / seconds)
             entry[name + "_lengths"] = lengths
         same = np.array_equal(entry.pop("static_lengths"), entry.pop("refill_lengths"))
-        entry.update(same_lengths=same,
+        entry.update(same_lengths=same, refill_stats=stats[-1], refill_trace=trace,
                      speedup=entry["refill"]["tokens_per_s"] / entry["static"]["tokens_per_s"])
         out["modes"][mode] = entry
+        print(f"  {mode}: refill/static {entry['speedup']:.2f}x; {stats[-1]}", flush=True)
     out["peak_bytes"] = peak_bytes()
 
 
@@ -526,6 +544,8 @@ def main(argv=None):
                          "--emit-breakdown)")
     ap.add_argument("--rows", type=int, default=256, help="refill: prompts (one sample each)")
     ap.add_argument("--slots", type=int, default=0, help="refill: decode slots (0: --batch)")
+    ap.add_argument("--prefill-rows", type=int, default=16,
+                    help="refill: rows per admission call (one compilation)")
     ap.add_argument("--length-mix", choices=KINDS, default="lognormal",
                     help="refill: the per-prompt caps' mix")
     ap.add_argument("--out", default=None)

@@ -98,18 +98,22 @@ def _check_case(model, temperature, schedule_name, slots, pool, prefill_rows=Non
     # The small pool forces preemption; the big one holds every row at full length.
     assert (stats.preemptions > 0) == (pool == SMALL_POOL), stats
     _check_same(ro, want)
+    return ro, stats
 
 
 # Each slot count, each pool and each case at least once; admissions padded to the slot count
-# (a compilation per run). The full matrix, with power-of-two admissions, is slow.
-@pytest.mark.parametrize("temperature,schedule_name,slots,pool", [
-    (0.0, "dense", 2, SMALL_POOL), (0.0, "dense", 16, BIG_POOL),
-    (1.0, "sparse", 5, SMALL_POOL), (1.0, "sparse", 16, SMALL_POOL)])
-def test_refill_equals_static(model, temperature, schedule_name, slots, pool):
+# (a compilation per run), or in calls of 4 rows. The full matrix, with power-of-two
+# admissions, is slow.
+@pytest.mark.parametrize("temperature,schedule_name,slots,pool,prefill_rows", [
+    (0.0, "dense", 2, SMALL_POOL, 2), (0.0, "dense", 16, BIG_POOL, 4),
+    (1.0, "sparse", 5, SMALL_POOL, 5), (1.0, "sparse", 16, SMALL_POOL, 16)])
+def test_refill_equals_static(model, temperature, schedule_name, slots, pool, prefill_rows):
     # The responses vary in length here (refill has something to do).
     lengths = np.asarray(_static(model, temperature, schedule_name).response_lengths)
     assert lengths.min() < R and len(set(lengths.tolist())) >= 2
-    _check_case(model, temperature, schedule_name, slots, pool, prefill_rows=slots)
+    ro, stats = _check_case(model, temperature, schedule_name, slots, pool, prefill_rows)
+    if prefill_rows < slots:   # the big pool admits all 15 samples at once: in 4 calls of 4
+        assert stats.prefills == 4, stats
 
 
 @pytest.mark.slow

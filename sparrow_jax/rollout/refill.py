@@ -30,7 +30,7 @@ import collections
 import dataclasses
 import functools
 import warnings
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -75,6 +75,7 @@ class RefillStats:
 
     chunks: int
     admissions: int           # samples admitted, readmissions included
+    prefills: int             # admission calls (each prefills at most prefill_rows a shard)
     preemptions: int          # samples preempted
     returned: int             # rows harvested into the result (each sample once: S = N*n)
     peak_pages: int           # most pages in use at once in a pool (the null page excluded)
@@ -105,9 +106,10 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
     :func:`~sparrow_jax.rollout.engine.pool_size` says). Same arguments and result layout (rows
     ``i*n .. i*n+n-1`` answer prompt i), same tokens per sample.
 
-    ``prefill_rows``: the rows one admission prefills per row shard, the newcomers padded to it
-    (one compilation); None: the next power of two of the newcomers, at most the shard's slots
-    (less padded work, a compilation per power). ``schedule_bound``, ``max_new_tokens``
+    ``prefill_rows``: the rows one admission call prefills per row shard, the newcomers padded
+    to it (one compilation; more newcomers take several calls); None: one call, padded to the
+    next power of two of the newcomers, at most the shard's slots (less padded work, a
+    compilation per power). ``schedule_bound``, ``max_new_tokens``
     (per-prompt caps): as in ``generate``; a row's pages grow up to its own cap.
 
     ``mesh`` (axes ``data``, ``fsdp``, ``tensor``, as in ``generate``): the prompts split into
@@ -126,9 +128,14 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                prefill_rows: int | None = None, lora: bool = False,
                prompt_ids: Sequence[int] | None = None,
                schedule_bound: BudgetSchedule | None = None,
-               max_new_tokens: int | Sequence[int] | None = None, mesh: Mesh | None = None
+               max_new_tokens: int | Sequence[int] | None = None, mesh: Mesh | None = None,
+               on_chunk: Callable[[dict], None] | None = None
                ) -> tuple[Rollout, RefillStats]:
-    """:func:`generate_refill` -> (rollout, :class:`RefillStats`)."""
+    """:func:`generate_refill` -> (rollout, :class:`RefillStats`). ``on_chunk(info)``, if
+    given, is called after each chunk (its results on the host) with ``width`` (page-table
+    columns), ``steps`` (decode steps it ran) and ``contexts`` (``[rows]``: the cached tokens
+    of the rows it decoded, at its start): what a step-time model needs
+    (``scripts/bench_rollout.py --phase refill``)."""
     cfg = model.config
     prompts = [list(p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -231,15 +238,21 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
             finish[preempted] = int(FinishReason.LENGTH)
             state = state._replace(finish=_put_rows(finish, mesh))
 
-        state = _admit_pending(state, shards, held, table, counters, graphdef, params, tokens,
-                               lengths, caps, ids, key, settings, config, width, prefill_rows)
+        while True:   # admission calls of at most prefill_rows rows a shard, while any admits
+            admitted = counters["admissions"]
+            state = _admit_pending(state, shards, held, table, counters, graphdef, params,
+                                   tokens, lengths, caps, ids, key, settings, config, width,
+                                   prefill_rows)
+            if counters["admissions"] == admitted:
+                break
         peak = max([peak] + [sh.alloc.num_usable - sh.alloc.num_free for sh in shards])
         for g, sh in enumerate(shards):
             if sh.queue and all(held[s] is None for s in sh.slots):
                 raise RuntimeError(f"generate_refill: no sample could be admitted into the "
                                    f"empty pool of row shard {g}")
 
-        longest = max(h.cache_length for h in held if h is not None)
+        before = {s: h.cache_length for s, h in enumerate(held) if h is not None}
+        longest = max(before.values())
         w = table_width(longest + c + 1, p, width, config.table_bucket_pages)
         state = state._replace(cache=state.cache.replace(
             page_table=_put_rows(table[:, :w], mesh)))
@@ -261,6 +274,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                     dst[s] = (h.prompt - sh.first) * n + h.sample
                     counters["returned"] += 1
                     release(sh, s)
+        if on_chunk is not None:
+            on_chunk(dict(width=w, contexts=np.fromiter(before.values(), np.int64),
+                          steps=int(max(cache_lengths[s] - b for s, b in before.items()))))
         if (dst < k * n).any():
             out = _collect(out, state, _put_rows(dst, mesh), mesh=mesh)
 
@@ -270,6 +286,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         out = jax.tree.map(lambda x: x[:num_rows], out)
     stats = RefillStats(
         chunks=counters["chunks"], admissions=counters["admissions"],
+        prefills=counters["prefills"],
         preemptions=counters["preemptions"], returned=counters["returned"], peak_pages=peak,
         num_pages=num_pages,
         pages_in_use_after=sum(sh.alloc.num_usable - sh.alloc.num_free for sh in shards),
@@ -380,6 +397,7 @@ def _admit_pending(state: LoopState, shards: list[_Shard], held, table, counters
                             cache_length=int(lengths[i]))
             table[s] = a.page_table[row]
     counters["admissions"] += sum(taken)
+    counters["prefills"] += 1
 
     mesh = settings.mesh
 
