@@ -370,6 +370,13 @@ def phase_check(args, model, cfg, ceiling, wbytes, out, mesh):
     out["peak_bytes"] = peak_bytes()
 
 
+def _save(args, out) -> None:
+    """``out`` to ``--out`` now (a run cut short keeps what it measured)."""
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
 def _timed(label, fn):
     """(result, seconds without compilation, compile seconds) of ``fn()``."""
     c0 = _compile_seconds[0]
@@ -434,17 +441,20 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
             stats.append(dataclasses.asdict(st))
             return np.asarray(ro.response_lengths)
 
-        entry = {}
+        entry = out["modes"][mode] = {}
         for name, fn in (("static", static), ("refill", refill)):
             lengths, seconds, compile_s = _timed(f"{mode} {name}", fn)
             entry[name] = dict(seconds=seconds, compile_s=compile_s,
                                tokens=int(lengths.sum()),
-                               tokens_per_s=float(lengths.sum()) / seconds)
+                               tokens_per_s=float(lengths.sum()) / seconds,
+                               peak_bytes=peak_bytes())
             entry[name + "_lengths"] = lengths
+            _save(args, {**out, "modes": {m: {k: v for k, v in e.items()
+                                              if not k.endswith("_lengths")}
+                                          for m, e in out["modes"].items()}})
         same = np.array_equal(entry.pop("static_lengths"), entry.pop("refill_lengths"))
         entry.update(same_lengths=same, refill_stats=stats[-1], refill_trace=trace,
                      speedup=entry["refill"]["tokens_per_s"] / entry["static"]["tokens_per_s"])
-        out["modes"][mode] = entry
         print(f"  {mode}: refill/static {entry['speedup']:.2f}x; {stats[-1]}", flush=True)
     out["peak_bytes"] = peak_bytes()
 
