@@ -91,3 +91,31 @@ def test_profile_holds_one_pool():
     state, _ = decode_chunk(batch, graphdef, params, put, reach=30)
     assert all(x.is_deleted() for x in _pool(put))                     # donated
     assert [x.unsafe_buffer_pointer() for x in _pool(state)] == pointers   # updated in place
+
+
+def test_repeated_rows_share_pages_and_decode_alike():
+    """``distinct_rows``: 5 rows over the pages of 2; a repeated row reads and writes its
+    original's pages with its original's stream, so it decodes the very same tokens. A
+    ``min_width`` widens the chunk's table (a short row beside a long one) without changing
+    what it computes."""
+    model = init_model(CFG, seed=0)
+    config = RolloutConfig(n=1, max_new_tokens=40, page_size=P, steps_per_call=4,
+                           temperature=1.0, dense_layers=(0,), table_bucket_pages=1)
+    batch, graphdef, params, state = fixed_context_batch(
+        model, config, rows=5, prompt_len=5, key=jax.random.key(0), distinct_rows=2,
+        schedule=BudgetSchedule.fixed(3, page_size=P))
+    table = np.asarray(state.cache.page_table)
+    np.testing.assert_array_equal(table[2:], table[[0, 1, 0]])
+    np.testing.assert_array_equal(batch.layout.page_table[2:],
+                                  batch.layout.page_table[[0, 1, 0]])
+    assert len(np.unique(table[:2][table[:2] > 0])) == (table[:2] > 0).sum()   # 2 own tables
+    state, timing = time_context(batch, graphdef, params, state, 12, repeats=1, min_width=12)
+    assert timing.table_width == 16                # 12 columns asked -> the bucket 16, where
+    #                                                the chunk's 15 tokens alone need 4 columns
+    tokens, lps = np.asarray(state.tokens), np.asarray(state.logprobs)
+    np.testing.assert_array_equal(tokens[2:], tokens[[0, 1, 0]])
+    np.testing.assert_array_equal(lps[2:], lps[[0, 1, 0]])
+    assert not np.array_equal(tokens[0], tokens[1])
+    with pytest.raises(ValueError, match="distinct_rows=2: one device, n = 1"):
+        fixed_context_batch(model, RolloutConfig(n=2, page_size=P), rows=4, prompt_len=5,
+                            key=jax.random.key(0), distinct_rows=2)

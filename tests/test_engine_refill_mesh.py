@@ -2,7 +2,8 @@
 samples with 2, 5 and 16 slots per row shard, with and without preemption, per-prompt caps
 included; every sample back once, every page of every shard's pool free. Meshes (8, 1, 1): a
 queue and pool per data shard, two of them with no prompts; (2, 2, 2): rows over data x fsdp,
-KV heads over tensor.
+KV heads over tensor. Each run's chunks are also those its host-side replay
+(``simulate_refill``) predicts.
 
 Runs in a subprocess (this file as a script) on 8 simulated CPU devices; directly::
 
@@ -56,6 +57,7 @@ def main(argv: list[str]) -> None:
     from sparrow_jax.models.qwen3 import init_model
     from sparrow_jax.rollout.engine import RolloutConfig, generate
     from sparrow_jax.rollout.refill import run_refill
+    from sparrow_jax.rollout.refill_schedule import simulate_refill
     from sparrow_jax.schedule import BudgetSchedule
 
     short = "--short" in argv
@@ -78,10 +80,19 @@ def main(argv: list[str]) -> None:
             ref = generate(model, _prompts(), config, key, schedule, mesh=mesh,
                            max_new_tokens=caps)
             for slots, pool in runs:
+                chunks = []
                 got, stats = run_refill(model, _prompts(),
                                         dataclasses.replace(config, num_pages=pool), key,
                                         schedule, slots=slots * shards, max_new_tokens=caps,
-                                        mesh=mesh)
+                                        mesh=mesh, on_chunk=chunks.append)
+                # No EOS here: the host's replay gives the same chunks per shard.
+                sim, sim_stats = simulate_refill(
+                    LENGTHS, caps or (R,) * len(LENGTHS), n=N, slots=slots * shards,
+                    shards=shards, num_pages=pool, page_size=P, steps_per_call=3,
+                    width=-(-(32 + R) // P), page_seed=3)
+                assert sim_stats == stats and [(c["width"], c["steps"]) for c in sim] == [
+                    (c["width"], c["steps"]) for c in chunks]
+                assert all((a["contexts"] == b["contexts"]).all() for a, b in zip(sim, chunks))
                 label = f"mesh {shape}, caps {caps is not None}, {slots} slots/shard, pool {pool}"
                 _compare(ref, got, key, label)
                 np.testing.assert_array_equal(np.asarray(got.response_lengths),

@@ -14,7 +14,10 @@ same jitted chunks of ``steps_per_call`` steps, and between chunks the host:
    of a prompt admitted together share its full prompt pages), samples their first token, and
    they are scattered into the free slots.
 
-A sample draws position t from the stream of (key, prompt id, sample index, t) alone
+Those decisions are :class:`~sparrow_jax.rollout.refill_schedule.RefillScheduler`'s (host only;
+:func:`~sparrow_jax.rollout.refill_schedule.simulate_refill` replays them without a device);
+this module runs the device side. A sample draws position t from the stream of (key, prompt
+id, sample index, t) alone
 (:mod:`sparrow_jax.rollout.sampling`), so its tokens do not depend on the slot, the admission
 order or preemption: they are the static engine's.
 
@@ -26,8 +29,6 @@ Typical use::
 
 from __future__ import annotations
 
-import collections
-import dataclasses
 import functools
 import warnings
 from typing import Callable, Sequence
@@ -37,61 +38,19 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
+from sparrow_jax.attention.allocator import pages_needed
 from sparrow_jax.attention.paged_cache import init_cache
 from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
 from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, UNFINISHED, DecodeSettings, LoopState,
                                              cache_specs, loop_specs, run_chunk, sharded_cache,
-                                             start,
-                                             table_width)
+                                             start)
 from sparrow_jax.rollout.engine import (RolloutConfig, check_mesh, model_params, pool_size,
                                         prompt_caps, prompt_width)
+from sparrow_jax.rollout.refill_schedule import Admission, RefillScheduler, RefillStats
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
-
-class GrowingPageAllocator(PageAllocator):
-    """A :class:`PageAllocator` whose sequences can grow after allocation."""
-
-    def extend(self, seq_id: int, count: int) -> np.ndarray:
-        """``count`` more pages for sequence ``seq_id`` -> their ids ``[count]``; the caller
-        checks :attr:`num_free` first (raises before touching the pool otherwise)."""
-        if count > self.num_free:
-            raise ValueError(f"extend: {count} pages asked, {self.num_free} free")
-        pages = self._take(count, refs=1)
-        self._seq_pages[int(seq_id)] = np.concatenate([self._seq_pages[int(seq_id)], pages])
-        return pages
-
-    @property
-    def num_allocated_sequences(self) -> int:
-        return len(self._seq_pages)
-
-
-@dataclasses.dataclass(frozen=True)
-class RefillStats:
-    """What one refill run did. ``pages_in_use_after`` is 0 when every page came back. Under a
-    mesh, ``num_pages`` and ``peak_pages`` are per row shard's pool, the rest summed."""
-
-    chunks: int
-    admissions: int           # samples admitted, readmissions included
-    prefills: int             # admission calls (each prefills at most prefill_rows a shard)
-    preemptions: int          # samples preempted
-    returned: int             # rows harvested into the result (each sample once: S = N*n)
-    peak_pages: int           # most pages in use at once in a pool (the null page excluded)
-    num_pages: int            # the pool, the null page included
-    pages_in_use_after: int
-    sequences_after: int      # sequences still holding pages after the run (0)
-
-
-@dataclasses.dataclass
-class _Slot:
-    prompt: int
-    sample: int
-    seq_id: int
-    order: int               # admission counter: the highest is preempted first
-    pages: int               # pages held (the table's first columns)
-    cache_length: int        # tokens in the cache (host's copy, refreshed after each chunk)
 
 
 def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
@@ -187,122 +146,44 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     settings = DecodeSettings.from_config(config, cfg.vocab_size, shape, lora=lora,
                                           mesh=mesh).for_width(bound, width)
     graphdef, params = model_params(model, mesh)
-    shards = [_Shard(alloc=GrowingPageAllocator(num_pages, p, seed=config.page_seed),
-                     queue=collections.deque((i, j) for i in part for j in range(n)),
-                     slots=range(g * per, (g + 1) * per), first=g * k)
-              for g, part in enumerate(parts)]
-    table = np.full((slots, width), NULL_PAGE, np.int32)   # the host's page table, per slot
+    sched = RefillScheduler(lengths, caps, n=n, slots=slots, shards=groups, num_pages=num_pages,
+                            page_size=p, steps_per_call=c, width=width,
+                            prefill_rows=prefill_rows,
+                            table_bucket_pages=config.table_bucket_pages,
+                            page_seed=config.page_seed)
     state = _empty_state(cfg, num_pages, slots, tp + r, r, settings.top_k, config, cache_dtype,
                          key, mesh)
     num_rows = len(prompts) * n
     # Result rows per shard (k prompts x n, placeholders past the prompts: cut at the end).
-    out = _empty_output(groups * k * n, tp + r, r, settings.top_k, n, mesh)
-    held: list[_Slot | None] = [None] * slots
-    counters = collections.Counter()
-    peak = 0
-
-    def cap_pages(slot: _Slot) -> int:
-        return -(-(int(lengths[slot.prompt]) + int(caps[slot.prompt])) // p)
-
-    def growth(slot: _Slot) -> int:
-        # The next chunk writes positions cache_length .. cache_length + c - 1.
-        return max(min(-(-(slot.cache_length + c) // p), cap_pages(slot)) - slot.pages, 0)
-
-    def release(shard: _Shard, s: int) -> None:
-        shard.alloc.release(held[s].seq_id)
-        held[s] = None
-        table[s] = NULL_PAGE
-
-    while any(sh.queue for sh in shards) or any(h is not None for h in held):
-        # Per shard: grow the running rows, preempting the newest while its pool falls short.
-        preempted = []
-        for sh in shards:
-            evicted = []
-            while True:
-                running = [s for s in sh.slots if held[s] is not None]
-                if sum(growth(held[s]) for s in running) <= sh.alloc.num_free:
-                    break
-                newest = max(running, key=lambda s: held[s].order)
-                evicted.append((held[newest].prompt, held[newest].sample))
-                preempted.append(newest)
-                release(sh, newest)
-            sh.queue.extendleft(sorted(evicted, reverse=True))
-            for s in sh.slots:
-                if held[s] is not None and growth(held[s]):
-                    h, more = held[s], growth(held[s])
-                    table[s, h.pages:h.pages + more] = sh.alloc.extend(h.seq_id, more)
-                    h.pages += more
+    out = _empty_output(groups * sched.result_rows, tp + r, r, settings.top_k, n, mesh)
+    while sched.busy:
+        preempted = sched.grow()
         if preempted:
-            counters["preemptions"] += len(preempted)
             finish = np.array(state.finish)
             finish[preempted] = int(FinishReason.LENGTH)
             state = state._replace(finish=_put_rows(finish, mesh))
-
-        while True:   # admission calls of at most prefill_rows rows a shard, while any admits
-            admitted = counters["admissions"]
-            state = _admit_pending(state, shards, held, table, counters, graphdef, params,
-                                   tokens, lengths, caps, ids, key, settings, config, width,
-                                   prefill_rows)
-            if counters["admissions"] == admitted:
-                break
-        peak = max([peak] + [sh.alloc.num_usable - sh.alloc.num_free for sh in shards])
-        for g, sh in enumerate(shards):
-            if sh.queue and all(held[s] is None for s in sh.slots):
-                raise RuntimeError(f"generate_refill: no sample could be admitted into the "
-                                   f"empty pool of row shard {g}")
-
-        before = {s: h.cache_length for s, h in enumerate(held) if h is not None}
-        longest = max(before.values())
-        w = table_width(longest + c + 1, p, width, config.table_bucket_pages)
+        while (adm := sched.admit()) is not None:
+            state = _admit_pending(state, adm, graphdef, params, tokens, ids, key, settings, r)
+        w, contexts = sched.next_width()
         state = state._replace(cache=state.cache.replace(
-            page_table=_put_rows(table[:, :w], mesh)))
+            page_table=_put_rows(sched.table[:, :w], mesh)))
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "Some donated buffers were not usable")
             state, _ = run_chunk(graphdef, params, state, values, c,
                                  settings=settings.for_width(bound, w))
-        counters["chunks"] += 1
-
         finish, cache_lengths = np.asarray(state.finish), np.asarray(state.cache.lengths)
-        dst = np.full(slots, k * n, np.int32)     # out of range: not collected
-        for sh in shards:
-            for s in sh.slots:
-                h = held[s]
-                if h is None:
-                    continue
-                h.cache_length = int(cache_lengths[s])
-                if finish[s] != UNFINISHED:
-                    dst[s] = (h.prompt - sh.first) * n + h.sample
-                    counters["returned"] += 1
-                    release(sh, s)
+        dst = sched.harvest(finish != UNFINISHED, cache_lengths)
         if on_chunk is not None:
-            on_chunk(dict(width=w, contexts=np.fromiter(before.values(), np.int64),
-                          steps=int(max(cache_lengths[s] - b for s, b in before.items()))))
-        if (dst < k * n).any():
+            on_chunk(dict(width=w, contexts=np.fromiter(contexts.values(), np.int64),
+                          steps=int(max(cache_lengths[s] - b for s, b in contexts.items()))))
+        if (dst < sched.result_rows).any():
             out = _collect(out, state, _put_rows(dst, mesh), mesh=mesh)
 
-    if groups * k * n > num_rows:   # placeholder rows: replicate, cut
+    if groups * sched.result_rows > num_rows:   # placeholder rows: replicate, cut
         if mesh is not None:
             out = jax.device_put(out, NamedSharding(mesh, PartitionSpec()))
         out = jax.tree.map(lambda x: x[:num_rows], out)
-    stats = RefillStats(
-        chunks=counters["chunks"], admissions=counters["admissions"],
-        prefills=counters["prefills"],
-        preemptions=counters["preemptions"], returned=counters["returned"], peak_pages=peak,
-        num_pages=num_pages,
-        pages_in_use_after=sum(sh.alloc.num_usable - sh.alloc.num_free for sh in shards),
-        sequences_after=sum(sh.alloc.num_allocated_sequences for sh in shards))
-    return out, stats
-
-
-@dataclasses.dataclass
-class _Shard:
-    """One row shard's host side: its pool, its queue of (prompt, sample), its slots, its first
-    prompt."""
-
-    alloc: GrowingPageAllocator
-    queue: collections.deque
-    slots: range
-    first: int
+    return out, sched.stats()
 
 
 def _put_rows(x: np.ndarray, mesh: Mesh | None) -> jax.Array:
@@ -312,112 +193,33 @@ def _put_rows(x: np.ndarray, mesh: Mesh | None) -> jax.Array:
     return jax.device_put(x, NamedSharding(mesh, PartitionSpec(ROWS)))
 
 
-def _pick_newcomers(shard: _Shard, held, lengths, first, p: int, c: int,
-                    limit: int | None) -> list[list]:
-    """Pops the queued samples one shard admits, in order, while a slot is free and its pool
-    holds their prompt pages and first chunk -> ``[[prompt, [samples]], ...]``."""
-    free = sum(held[s] is None for s in shard.slots)
-    # Keep back the pages the running rows take in the next chunk, so that newcomers are not
-    # preempted by the growth of the rows already there (thrashing); an empty shard admits.
-    reserve = sum(-(-c // p) + 1 for s in shard.slots if held[s] is not None)
-    budget = shard.alloc.num_free - reserve if free < len(shard.slots) else shard.alloc.num_free
-    groups: list[list] = []
-    taken = 0
-    while shard.queue and taken < min(free, limit or free):
-        i, j = shard.queue[0]
-        new_group = not groups or groups[-1][0] != i
-        cost = int(pages_needed(lengths[i], 1 if new_group else 2, first[i], p)[0])
-        if not new_group:   # one more sample of the last group: its own pages only
-            cost -= int(pages_needed(lengths[i], 1, first[i], p)[0])
-        if cost > budget:
-            break
-        budget -= cost
-        shard.queue.popleft()
-        if new_group:
-            groups.append([i, []])
-        groups[-1][1].append(j)
-        taken += 1
-    return groups
-
-
-def _admit_pending(state: LoopState, shards: list[_Shard], held, table, counters, graphdef,
-                   params, tokens, lengths, caps, ids, key, settings: DecodeSettings,
-                   config: RolloutConfig, width: int, prefill_rows: int | None) -> LoopState:
-    """Admits queued samples into each shard's free slots (:func:`_pick_newcomers`), prefills
-    them (one call for every shard: k rows each) and scatters them into their slots."""
-    p, r, c = config.page_size, config.max_new_tokens, config.steps_per_call
-    first = np.minimum(c, caps)      # [N] tokens each prompt's first chunk may write
-    picked = [_pick_newcomers(sh, held, lengths, first, p, c, prefill_rows) for sh in shards]
-    taken = [sum(len(g[1]) for g in groups) for groups in picked]
-    if not any(taken):
-        return state
-
-    # Rows and prompt entries per shard, bucketed to powers of two (a compilation each).
-    per = len(shards[0].slots)
-    k = min(1 << (max(taken) - 1).bit_length(), per) if prefill_rows is None else prefill_rows
-    g_count = len(shards)
-    prefill_table = np.full((g_count, k, width), NULL_PAGE, np.int32)
-    row_table = np.full((g_count, k, width), NULL_PAGE, np.int32)
-    prompt_index = np.zeros((g_count, k), np.int32)
-    prompt_tokens = np.zeros((g_count, k, tokens.shape[1]), np.int32)
-    prompt_lengths = np.ones((g_count, k), np.int32)
-    new_caps = np.ones((g_count, k), np.int32)
-    copy_src = np.full((g_count, k), NULL_PAGE, np.int32)
-    copy_dst = np.full((g_count, k), NULL_PAGE, np.int32)
-    stream_prompts = np.zeros((g_count, k), np.int32)
-    stream_samples = np.zeros((g_count, k), np.int32)
-    live = np.zeros((g_count, k), bool)
-    dst = np.full((g_count, k), per, np.int32)     # out of range: placeholder rows dropped
-    for g, (sh, groups) in enumerate(zip(shards, picked)):
-        if not groups:
-            continue
-        prompts = [grp[0] for grp in groups]
-        counts = [len(grp[1]) for grp in groups]
-        a = sh.alloc.allocate(lengths[prompts], counts, first[prompts], max_pages_per_seq=width)
-        m, t = len(prompts), taken[g]
-        prefill_table[g, :m] = a.prefill_page_table
-        row_table[g, :t] = a.page_table
-        prompt_index[g, :t] = a.prompt_index
-        prompt_tokens[g, :m] = tokens[prompts]
-        prompt_lengths[g, :m] = lengths[prompts]
-        new_caps[g, :m] = caps[prompts]
-        copy_src[g, :len(a.copy_src)] = a.copy_src
-        copy_dst[g, :len(a.copy_dst)] = a.copy_dst
-        samples = [(grp[0], j) for grp in groups for j in grp[1]]
-        stream_prompts[g, :t] = [ids[i] for i, _ in samples]
-        stream_samples[g, :t] = [j for _, j in samples]
-        live[g, :t] = True
-        free = [s for s in sh.slots if held[s] is None][:t]
-        dst[g, :t] = [s - sh.slots.start for s in free]
-        pages = -(-(lengths[prompts] + first[prompts]) // p)
-        for row, ((i, j), s) in enumerate(zip(samples, free)):
-            counters["order"] += 1
-            held[s] = _Slot(prompt=i, sample=j, seq_id=int(a.seq_ids[row]),
-                            order=counters["order"], pages=int(pages[a.prompt_index[row]]),
-                            cache_length=int(lengths[i]))
-            table[s] = a.page_table[row]
-    counters["admissions"] += sum(taken)
-    counters["prefills"] += 1
-
+def _admit_pending(state: LoopState, adm: Admission, graphdef, params, tokens, ids, key,
+                   settings: DecodeSettings, response_capacity: int) -> LoopState:
+    """Prefills one admission's newcomers (one call for every shard: k rows each) and
+    scatters them into their slots."""
+    g_count, k = adm.dst.shape
     mesh = settings.mesh
 
     def put(x):
         return _put_rows(x.reshape((g_count * k,) + x.shape[2:]), mesh)
 
-    streams = stream_keys(key, stream_prompts.reshape(-1), stream_samples.reshape(-1))
+    prompt_tokens = np.where((adm.prompts >= 0)[..., None], tokens[np.maximum(adm.prompts, 0)],
+                             0).astype(np.int32)
+    streams = stream_keys(key, ids[adm.row_prompts].reshape(-1), adm.samples.reshape(-1))
     if mesh is not None:
         streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(ROWS)))
     # The pool is donated to the prefill and comes back as the newcomers' cache.
-    cache = _prefill_cache(state.cache, put(prefill_table), mesh)
+    cache = _prefill_cache(state.cache, put(adm.prefill_table), mesh)
     with warnings.catch_warnings():
         warnings.filterwarnings("ignore", "Some donated buffers were not usable")
-        new = start(graphdef, params, cache, put(prompt_tokens), put(prompt_lengths),
-                    put(new_caps), put(row_table), put(prompt_index), put(copy_src),
-                    put(copy_dst), streams, put(live), settings=settings, response_capacity=r)
+        new = start(graphdef, params, cache, put(prompt_tokens), put(adm.prompt_lengths),
+                    put(adm.caps), put(adm.row_table), put(adm.prompt_index),
+                    put(adm.copy_src), put(adm.copy_dst), streams, put(adm.live),
+                    settings=settings, response_capacity=response_capacity)
     state = state._replace(cache=state.cache.replace(
         k_pages=new.cache.k_pages, v_pages=new.cache.v_pages, centroids=new.cache.centroids,
         kmin=new.cache.kmin, kmax=new.cache.kmax))
-    return _admit(state, new._replace(cache=_rows_of(new.cache)), put(dst), mesh=mesh)
+    return _admit(state, new._replace(cache=_rows_of(new.cache)), put(adm.dst), mesh=mesh)
 
 
 def _prefill_cache(cache, prefill_table: jax.Array, mesh: Mesh | None):
@@ -551,4 +353,4 @@ def _empty_output(rows, t, r, k, n, mesh: Mesh | None) -> Rollout:
         prompt_index=put(np.repeat(np.arange(rows // n, dtype=np.int32), n)))
 
 
-__all__ = ["generate_refill", "run_refill", "RefillStats", "GrowingPageAllocator"]
+__all__ = ["generate_refill", "run_refill", "RefillStats"]
