@@ -63,10 +63,12 @@ from sparrow_jax.benchmarking import peak_bytes, read_ceiling
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.decode_loop import emit, top_k
-from sparrow_jax.rollout.engine import RolloutConfig, generate
+from sparrow_jax.rollout.chunk_time import SlotStepTimes, predict_seconds, static_chunks
+from sparrow_jax.rollout.engine import RolloutConfig, generate, prompt_width
 from sparrow_jax.rollout.length_mix import KINDS, length_mix
 from sparrow_jax.rollout.profile import fixed_context_batch, time_context
 from sparrow_jax.rollout.refill import run_refill
+from sparrow_jax.rollout.refill_schedule import simulate_refill
 from sparrow_jax.schedule import BudgetSchedule
 from sparrow_jax.sharding import MeshConfig, make_mesh
 
@@ -459,6 +461,82 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
     out["peak_bytes"] = peak_bytes()
 
 
+def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
+    """Refill vs static where the end-to-end runs would not fit the machine (the 32K cap): both
+    runs' chunks replayed on the host (``simulate_refill``, ``static_chunks``; rows run to
+    their caps, as in ``--phase refill``) and priced with fixed-context step times measured
+    here at both slot counts (``sparrow_jax.rollout.chunk_time``: every table width the chunks
+    use at a short context, and ``--contexts``). ``--refill-json``: a ``--phase refill`` run of
+    the same arguments, whose measured seconds the predictions are checked against."""
+    del ceiling, wbytes
+    if mesh is not None or not args.batch or args.rows % args.batch:
+        raise SystemExit("--phase refill-model: no --mesh; --batch B with --rows a multiple of B")
+    rc = rollout_config(args.max_new)
+    p, c = rc.page_size, rc.steps_per_call
+    lengths = np.full(args.rows, args.prompt_len)
+    pool = int(pages_needed(lengths[:1], 1, args.max_new, p)[0] * args.batch + 1)
+    caps = length_mix(args.length_mix, args.rows, args.max_new, seed=0)
+    slots = args.slots or args.batch
+    width = -(-(prompt_width(lengths, rc) + args.max_new) // p)
+    runs = {"refill": simulate_refill(lengths, caps, n=1, slots=slots, num_pages=pool,
+                                      page_size=p, steps_per_call=c, width=width,
+                                      prefill_rows=args.prefill_rows,
+                                      table_bucket_pages=rc.table_bucket_pages,
+                                      page_seed=rc.page_seed)[0],
+            "static": static_chunks(lengths, caps, batch=args.batch, page_size=p,
+                                    steps_per_call=c, width=width,
+                                    table_bucket_pages=rc.table_bucket_pages)}
+    counts = {"refill": slots, "static": args.batch}
+    # time_context clamps a context near the cap to the last that stays running.
+    contexts = sorted({min(x, args.prompt_len + args.max_new) for x in args.contexts})
+    measured = None
+    if args.refill_json:
+        with open(args.refill_json) as f:
+            measured = json.load(f)
+    out.update(batch=args.batch, rows=args.rows, slots=slots, num_pages=pool,
+               max_new=args.max_new, length_mix=args.length_mix, tokens=int(caps.sum()),
+               chunks={k: len(v) for k, v in runs.items()}, modes={})
+    for mode in args.modes:
+        sched = schedule_for(mode)
+        entry = out["modes"][mode] = {}
+        for run, chunks in runs.items():
+            widths = sorted({ch["width"] for ch in chunks})
+            batch, graphdef, params, state = fixed_context_batch(
+                model, rc, rows=counts[run], prompt_len=args.prompt_len, key=jax.random.key(1),
+                schedule=sched, distinct_rows=min(counts[run], args.batch))
+            short = []
+            for w in widths:
+                state, timing = time_context(batch, graphdef, params, state, args.prompt_len + c,
+                                             repeats=args.repeats, min_width=w)
+                short.append((timing.table_width, 1e3 * statistics.median(timing.step_seconds)))
+            state, rows = time_contexts(batch, graphdef, params, state, contexts,
+                                        repeats=args.repeats, label=f"{mode} {run}")
+            del state
+            times = SlotStepTimes.from_points(
+                counts[run], short, [(r["mean_context"], r["table_width"], r["step_ms"])
+                                     for r in rows])
+            seconds = predict_seconds(chunks, times)
+            entry[run] = dict(slots=counts[run], short=short, rows=rows, seconds=seconds,
+                              tokens_per_s=int(caps.sum()) / seconds)
+            if measured is not None and mode in measured.get("modes", {}):
+                got = measured["modes"][mode].get(run)
+                if got:
+                    entry[run].update(measured_s=got["seconds"],
+                                      error=seconds / got["seconds"] - 1)
+            print(f"  {mode} {run}: predicted {seconds:.2f} s, "
+                  f"{entry[run]['tokens_per_s']:.0f} tokens/s"
+                  + (f" (measured {entry[run]['measured_s']:.2f} s, "
+                     f"{100 * entry[run]['error']:+.1f}%)" if "error" in entry[run] else ""),
+                  flush=True)
+            _save(args, out)
+        entry["speedup"] = entry["static"]["seconds"] / entry["refill"]["seconds"]
+    if set(MODES) <= set(out["modes"]):
+        m = out["modes"]
+        out["sparse_over_dense"] = {run: m["dense"][run]["seconds"] / m["sparse"][run]["seconds"]
+                                    for run in runs}
+    out["peak_bytes"] = peak_bytes()
+
+
 # ------------------------------------------------------------------------------ report
 def report(out):
     lines = []
@@ -505,6 +583,23 @@ def report(out):
             lines.append(f"| {m} | {e['static']['tokens_per_s']:.0f} | "
                          f"{e['refill']['tokens_per_s']:.0f} | {e['speedup']:.2f} | "
                          f"{e['same_lengths']} |")
+    elif out["phase"] == "refill-model":
+        lines.append(f"{out['rows']} rows capped by the {out['length_mix']} mix at "
+                     f"{out['max_new']} ({out['tokens']} tokens); static batches of {b} "
+                     f"({out['chunks']['static']} chunks), refill {out['slots']} slots "
+                     f"({out['chunks']['refill']} chunks); predicted from fixed-context steps")
+        lines.append("| mode | static s | refill s | refill/static | measured static / refill s |")
+        lines.append("| --- | --- | --- | --- | --- |")
+        for m, e in out["modes"].items():
+            if "speedup" not in e:
+                continue
+            got = " / ".join(f"{e[r]['measured_s']:.2f} ({100 * e[r]['error']:+.1f}%)"
+                             if "measured_s" in e[r] else "-" for r in ("static", "refill"))
+            lines.append(f"| {m} | {e['static']['seconds']:.2f} | {e['refill']['seconds']:.2f} "
+                         f"| {e['speedup']:.2f} | {got} |")
+        if "sparse_over_dense" in out:
+            lines.append("sparse/dense tokens/s: " + ", ".join(
+                f"{k} {v:.2f}x" for k, v in out["sparse_over_dense"].items()))
     else:
         for m, e in out["modes"].items():
             lines.append(f"{m}: generate {out['max_new']} tokens x {b} rows in "
@@ -524,7 +619,8 @@ def report(out):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--phase", choices=("profile", "check", "refill"), default="profile")
+    ap.add_argument("--phase", choices=("profile", "check", "refill", "refill-model"),
+                    default="profile")
     ap.add_argument("--model", default="qwen3-1.7b", help="a preset of configs/models")
     ap.add_argument("--modes", nargs="+", choices=MODES, default=list(MODES))
     ap.add_argument("--contexts", type=int, nargs="+", default=None)
@@ -558,6 +654,8 @@ def main(argv=None):
                     help="refill: rows per admission call (one compilation)")
     ap.add_argument("--length-mix", choices=KINDS, default="lognormal",
                     help="refill: the per-prompt caps' mix")
+    ap.add_argument("--refill-json", default=None,
+                    help="refill-model: a --phase refill run's JSON to check the prediction on")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mesh = None
@@ -571,7 +669,7 @@ def main(argv=None):
     if args.max_new is None:
         args.max_new = 32768 if args.phase == "profile" else 8192
     if args.contexts is None:
-        args.contexts = (list(PROFILE_CONTEXTS) if args.phase == "profile"
+        args.contexts = (list(PROFILE_CONTEXTS) if args.phase in ("profile", "refill-model")
                          else [128, 2048, 4096, 6144, 8192])
 
     dev = jax.devices()[0]
@@ -594,7 +692,7 @@ def main(argv=None):
     t0 = time.perf_counter()
     try:
         phase = {"profile": phase_profile, "check": phase_check,
-                 "refill": phase_refill}[args.phase]
+                 "refill": phase_refill, "refill-model": phase_refill_model}[args.phase]
         phase(args, model, cfg, ceiling, wbytes, out, mesh)
     finally:
         out["seconds"] = time.perf_counter() - t0

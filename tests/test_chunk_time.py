@@ -1,0 +1,41 @@
+"""Chunk-time predictions (sparrow_jax/rollout/chunk_time.py) against hand-worked examples."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from sparrow_jax.rollout.chunk_time import SlotStepTimes, predict_seconds, static_chunks
+
+
+def test_step_model_by_hand():
+    # 2 slots. A(4) = 1 ms, A(8) = 2 ms; all rows at 10 tokens (width 4): 3 ms -> one row adds
+    # (3 - 1) / 2 = 1 ms; at 20 tokens (width 8): 6 ms -> (6 - 2) / 2 = 2 ms.
+    times = SlotStepTimes.from_points(2, [(8, 2.0), (4, 1.0)], [(20, 8, 6.0), (10, 4, 3.0)])
+    np.testing.assert_allclose(times.row_ms, [1.0, 2.0])
+    # Width 6: A = 1.5; one row at 15: 1.5; another at 10: 1.0.
+    assert times.step_ms(6, [15]) == pytest.approx(3.0)
+    assert times.step_ms(6, [15, 10]) == pytest.approx(4.0)
+    # Two steps from 14 tokens: priced at 15; a chunk of no steps costs nothing.
+    chunks = [dict(width=6, steps=2, contexts=[14]), dict(width=8, steps=0, contexts=[20])]
+    assert predict_seconds(chunks, times) == pytest.approx(2 * 3.0e-3)
+    with pytest.raises(ValueError, match="two contexts"):
+        SlotStepTimes.from_points(2, [(4, 1.0)], [(10, 4, 3.0)])
+
+
+def test_static_chunks_by_hand():
+    # Prompts of 5 and 3 tokens, caps 4 and 9, one batch, 3 steps a call, pages of 4. After
+    # the prefill each row has sampled 1 token: row 0 needs 3 more, row 1 8 more.
+    # chunk 0: both rows, 3 steps (row 0 ends); chunk 1: row 1 at 6, 3 steps;
+    # chunk 2: row 1 at 9, its last 2 steps. The table covers the longest prompt (5) + the
+    # steps so far + 3 + 1: 9, 12, 15 tokens -> 3, 3, 4 pages -> the next powers of two: 4
+    # columns each (of the full width 5; without buckets, 5).
+    chunks = static_chunks([5, 3], [4, 9], batch=2, page_size=4, steps_per_call=3, width=5,
+                           table_bucket_pages=1)
+    assert [(c["width"], c["steps"], list(c["contexts"])) for c in chunks] == [
+        (4, 3, [5, 3]), (4, 3, [6]), (4, 2, [9])]
+    # Two batches of one prompt each: the second starts afresh.
+    chunks = static_chunks([5, 3], [4, 9], batch=1, page_size=4, steps_per_call=3, width=5,
+                           table_bucket_pages=None)
+    assert [(c["width"], c["steps"], list(c["contexts"])) for c in chunks] == [
+        (5, 3, [5]), (5, 3, [3]), (5, 3, [6]), (5, 2, [9])]
