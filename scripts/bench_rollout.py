@@ -35,10 +35,13 @@ centroids of the scored pages plus its budget's pages of K and V. Floor = bytes 
 * ``refill``: refill vs the static engine on a length mix (``--rows`` prompts capped by
   ``--length-mix``, static batches of ``--batch``, ``--slots`` refill slots, the same pool); see
   :func:`phase_refill`.
+* ``refill-model``: the same comparison priced rather than run (:func:`phase_refill_model`):
+  both engines' chunks replayed on the host, fixed-context step times measured at both slot
+  counts; ``--refill-json`` checks it against a ``refill`` run of the same arguments.
 
 CPU smoke tests (tiny shapes): ``--model tiny --dtype float32 --contexts 40 80 --max-new 128
 --batch 2 --steps 8``; ``--phase refill --model tiny --dtype float32 --max-new 64 --batch 4
---rows 8 --steps 8``.
+--rows 8 --steps 8``; ``--phase refill-model`` with the same and ``--contexts 16 64 128``.
 """
 
 from __future__ import annotations
