@@ -51,3 +51,42 @@ def test_simulated_chunks_are_the_real_ones(model, slots, pool, prefill_rows, bu
         assert stats.preemptions > 0
     if bucket is not None:     # the widths followed the longest row
         assert len({c["width"] for c in real}) >= 2
+
+
+def test_growth_continues_a_contiguous_run():
+    from sparrow_jax.rollout.refill_schedule import GrowingPageAllocator
+
+    alloc = GrowingPageAllocator(20, 4, contiguous=True)
+    a = alloc.allocate([6], 1, 2)                  # 8 tokens: pages 1, 2
+    b = alloc.allocate([3], 1, 1)                  # page 3
+    np.testing.assert_array_equal(a.page_table[0], [1, 2])
+    np.testing.assert_array_equal(b.page_table[0], [3])
+    np.testing.assert_array_equal(alloc.extend(int(b.seq_ids[0]), 3), [4, 5, 6])   # goes on
+    # a's next page (3) is b's: the lowest free run of 2 instead
+    np.testing.assert_array_equal(alloc.extend(int(a.seq_ids[0]), 2), [7, 8])
+    np.testing.assert_array_equal(alloc.extend(int(a.seq_ids[0]), 1), [9])        # goes on
+    alloc.release(int(b.seq_ids[0]))
+    assert alloc.num_free == 19 - 5
+    # without contiguous: the free list's order
+    plain = GrowingPageAllocator(20, 4, seed=0)
+    c = plain.allocate([3], 1, 1)
+    got = plain.extend(int(c.seq_ids[0]), 2)
+    assert got.tolist() != list(range(c.page_table[0, 0] + 1, c.page_table[0, 0] + 3))
+
+
+def test_contiguous_refill_samples_as_scattered(model):
+    """Placement changes nothing a row computes: the same tokens with contiguous pages, and the
+    same chunks as the replay."""
+    rng = np.random.default_rng(0)
+    prompts = [rng.integers(1, V, n).tolist() for n in LENGTHS]
+    outs = []
+    for contiguous in (False, True):
+        config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
+                               prompt_multiple=32, steps_per_call=3, eos_ids=(),
+                               table_bucket_pages=None, num_pages=40,
+                               contiguous_pages=contiguous)
+        outs.append(run_refill(model, prompts, config, jax.random.key(1), slots=5,
+                               max_new_tokens=CAPS)[0])
+    np.testing.assert_array_equal(np.asarray(outs[0].tokens), np.asarray(outs[1].tokens))
+    np.testing.assert_allclose(np.asarray(outs[0].logprobs), np.asarray(outs[1].logprobs),
+                               rtol=1e-6, atol=1e-6)

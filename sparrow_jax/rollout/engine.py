@@ -73,6 +73,9 @@ class RolloutConfig:
     prompt_multiple: prompts are right-padded to a multiple of this (bounds recompilation).
     progress: a progress bar on stderr.
     page_seed: hand out pages in a shuffled order (tests: nothing may rely on contiguity).
+    contiguous_pages: hand each row its pages as runs of adjacent pages where the pool allows
+      (``PageAllocator(contiguous=True)``; refill also continues a row's run as it grows), so
+      that the TPU kernels fetch neighbouring chosen pages in one copy. Same samples.
     """
 
     n: int = 1
@@ -98,6 +101,7 @@ class RolloutConfig:
     prompt_multiple: int = 64
     progress: bool = False
     page_seed: int | None = None
+    contiguous_pages: bool = False
 
     def __post_init__(self):
         def fix(name, value):
@@ -429,7 +433,8 @@ def _layout(prompts, caps, config: RolloutConfig, model_config, cache_dtype,
     num_pages = max(pool_size(config, model_config, lengths[g], cache_dtype,
                               max_new_tokens=max_new[g], kv_head_shards=tensor, device=device)
                     for g in parts)
-    allocs = [PageAllocator(num_pages, p, seed=config.page_seed).allocate(
+    allocs = [PageAllocator(num_pages, p, seed=config.page_seed,
+                            contiguous=config.contiguous_pages).allocate(
         lengths[g], n, max_new[g], max_pages_per_seq=width) for g in parts]
 
     def copies(name):

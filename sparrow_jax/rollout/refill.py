@@ -150,7 +150,8 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                             page_size=p, steps_per_call=c, width=width,
                             prefill_rows=prefill_rows,
                             table_bucket_pages=config.table_bucket_pages,
-                            page_seed=config.page_seed)
+                            page_seed=config.page_seed,
+                            contiguous_pages=config.contiguous_pages)
     state = _empty_state(cfg, num_pages, slots, tp + r, r, settings.top_k, config, cache_dtype,
                          key, mesh)
     num_rows = len(prompts) * n

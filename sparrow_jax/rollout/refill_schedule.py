@@ -28,10 +28,21 @@ class GrowingPageAllocator(PageAllocator):
 
     def extend(self, seq_id: int, count: int) -> np.ndarray:
         """``count`` more pages for sequence ``seq_id`` -> their ids ``[count]``; the caller
-        checks :attr:`num_free` first (raises before touching the pool otherwise)."""
+        checks :attr:`num_free` first (raises before touching the pool otherwise). With
+        ``contiguous``, the pages right after the sequence's last one when all are free (its
+        run goes on), else as :meth:`allocate` places them."""
         if count > self.num_free:
             raise ValueError(f"extend: {count} pages asked, {self.num_free} free")
-        pages = self._take(count, refs=1)
+        last = int(self._seq_pages[int(seq_id)][-1])
+        after = np.arange(last + 1, last + 1 + count, dtype=np.int32)
+        if (self.contiguous and after[-1] < self.num_pages
+                and (self.refcount[after] == 0).all()):
+            taken = set(after.tolist())
+            self._free = [q for q in self._free if q not in taken]
+            self.refcount[after] = 1
+            pages = after
+        else:
+            pages = self._take(count, refs=1)
         self._seq_pages[int(seq_id)] = np.concatenate([self._seq_pages[int(seq_id)], pages])
         return pages
 
@@ -108,7 +119,7 @@ class RefillScheduler:
     def __init__(self, prompt_lengths, caps, *, n: int, slots: int, shards: int,
                  num_pages: int, page_size: int, steps_per_call: int, width: int,
                  prefill_rows: int | None = None, table_bucket_pages: int | None = None,
-                 page_seed: int | None = None):
+                 page_seed: int | None = None, contiguous_pages: bool = False):
         self.lengths = np.asarray(prompt_lengths, np.int32)
         self.caps = np.asarray(caps, np.int32)
         self.n, self.p, self.c = n, page_size, steps_per_call
@@ -118,7 +129,8 @@ class RefillScheduler:
         self.k = -(-len(self.lengths) // shards)     # prompts per shard
         parts = [range(g * self.k, min((g + 1) * self.k, len(self.lengths)))
                  for g in range(shards)]
-        self.shards = [_Shard(alloc=GrowingPageAllocator(num_pages, page_size, seed=page_seed),
+        self.shards = [_Shard(alloc=GrowingPageAllocator(num_pages, page_size, seed=page_seed,
+                                                         contiguous=contiguous_pages),
                               queue=collections.deque((i, j) for i in part for j in range(n)),
                               slots=range(g * per, (g + 1) * per), first=g * self.k)
                        for g, part in enumerate(parts)]
@@ -312,8 +324,8 @@ class RefillScheduler:
 def simulate_refill(prompt_lengths, caps, *, n: int, slots: int, num_pages: int,
                     page_size: int, steps_per_call: int, width: int,
                     prefill_rows: int | None = None, table_bucket_pages: int | None = None,
-                    page_seed: int | None = None, shards: int = 1
-                    ) -> tuple[list[dict], RefillStats]:
+                    page_seed: int | None = None, contiguous_pages: bool = False,
+                    shards: int = 1) -> tuple[list[dict], RefillStats]:
     """The chunks of a refill run whose rows all run to their caps (no EOS, no stop
     sequences), without a device -> (one dict per chunk, as ``run_refill``'s ``on_chunk``
     gets: ``width``, ``steps``, ``contexts``; the run's stats). Arguments as
@@ -326,7 +338,7 @@ def simulate_refill(prompt_lengths, caps, *, n: int, slots: int, num_pages: int,
                             num_pages=num_pages, page_size=page_size,
                             steps_per_call=steps_per_call, width=width,
                             prefill_rows=prefill_rows, table_bucket_pages=table_bucket_pages,
-                            page_seed=page_seed)
+                            page_seed=page_seed, contiguous_pages=contiguous_pages)
     cached = np.zeros(slots, np.int64)       # the device's view, per slot
     sampled = np.zeros(slots, np.int64)
     cap = np.zeros(slots, np.int64)
