@@ -18,6 +18,12 @@ instead of running every row to ``--max-new``. ``--schedules A B ..`` runs one t
 schedule, one after the other in this process (e.g. ``paper:qwen3-1.7b dense``: the sparse vs
 dense GRPO step), and prints them side by side.
 
+``--rollout-model FILE`` (the JSON of ``scripts/bench_rollout.py --phase refill-model``, e.g.
+at a 32K cap): the GRPO step of that length mix composed from the model's predicted refill
+rollout (``dense`` schedule: its dense mode; any other: its sparse mode) plus this run's
+recompute and update seconds per response token (measured on the few rows run here) times the
+mix's tokens; printed with the sparse/dense step ratio.
+
 ``--no-fuse`` runs the dense recompute as its own pass instead of fusing it into the first
 mini-batch's forward (docs/design.md, section 7). CPU smoke test: ``--tiny`` (the tiny model,
 float32, 2 prompts x 4 samples, 64 new tokens, 2 steps).
@@ -144,6 +150,30 @@ def run_schedule(args, schedule: str) -> dict:
     return out
 
 
+def compose(runs: list[dict], model_path: str) -> dict:
+    """The GRPO step of a refill-model run's mix per schedule: its predicted refill rollout +
+    this run's (recompute + update) seconds per response token x the mix's tokens."""
+    with open(model_path) as f:
+        model = json.load(f)
+    tokens = model["tokens"]
+    out = dict(source=f"{model_path} (cap {model['max_new']}, {model['rows']} rows, "
+                      f"{model['slots']} slots)", tokens=tokens, schedules={})
+    for run in runs:
+        mode = "dense" if run["schedule"] == "dense" else "sparse"
+        if mode not in model["modes"] or "refill" not in model["modes"][mode]:
+            continue
+        m = run["mean_after_first"]
+        per_token = (m["time_recompute"] + m["time_update"]) / m["response_tokens"]
+        rollout = model["modes"][mode]["refill"]["seconds"]
+        out["schedules"][run["schedule"]] = dict(
+            mode=mode, rollout_s=rollout, training_s=per_token * tokens,
+            step_s=rollout + per_token * tokens, training_s_per_token=per_token)
+    steps = {e["mode"]: e["step_s"] for e in out["schedules"].values()}
+    if {"dense", "sparse"} <= set(steps):
+        out["sparse_over_dense"] = steps["dense"] / steps["sparse"]
+    return out
+
+
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__,
                                  formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -165,6 +195,8 @@ def main(argv=None):
                     help="CPU smoke test: the tiny model, float32, 2 x 4 rows, 64 tokens, 2 steps")
     ap.add_argument("--run-dir", default=None, help="folder for the runs' folders (default: "
                     "the system's temporary folder)")
+    ap.add_argument("--rollout-model", default=None,
+                    help="a bench_rollout --phase refill-model JSON: compose the mix's GRPO step")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiny:
@@ -183,6 +215,8 @@ def main(argv=None):
         for schedule in args.schedules:
             out["runs"].append(run_schedule(args, schedule))
             gc.collect()   # the previous trainer's weights and optimizer state
+        if args.rollout_model:
+            out["composed"] = compose(out["runs"], args.rollout_model)
     finally:
         if args.out:
             with open(args.out, "w") as f:
@@ -197,6 +231,15 @@ def main(argv=None):
         print(f"| {run['schedule']} | {m['time_rollout']:.2f} | {m['time_recompute']:.2f} | "
               f"{m['time_update']:.2f} | {m['wall_s']:.2f} | {m['tokens_per_s']:.0f} | "
               f"{m['step_tokens_per_s']:.0f} | {(run['peak_bytes'] or 0) / 2**30:.2f} |")
+    if "composed" in out:
+        c = out["composed"]
+        print(f"\nGRPO step on {c['source']} ({c['tokens']} response tokens, refill rollout "
+              f"predicted, training at this run's seconds per token):")
+        for name, e in c["schedules"].items():
+            print(f"  {name}: rollout {e['rollout_s']:.1f} s + training {e['training_s']:.1f} s "
+                  f"= {e['step_s']:.1f} s")
+        if "sparse_over_dense" in c:
+            print(f"  sparse/dense GRPO step: {c['sparse_over_dense']:.2f}x")
     walls = {run["schedule"]: run["mean_after_first"]["wall_s"] for run in out["runs"]}
     if "dense" in walls and len(walls) > 1:
         for name, wall in walls.items():
