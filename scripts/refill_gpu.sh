@@ -1,0 +1,60 @@
+#!/usr/bin/env bash
+# Continuous refill on one GPU (issue 17's figures), in parts that each fit a 10-minute call;
+# each writes its JSON under $OUT (default .out/) and prints its table.
+#   bash scripts/refill_gpu.sh PART
+#   PART: test          the refill tests on the GPU (refill, its replay, the chunk model)
+#         8k-sparse     end to end at the 8K cap, static vs refill, the paper schedule
+#         8k-dense      the same, dense
+#         model-8k      the chunk model at the 8K cap, checked against the 8k-* runs (10%)
+#         model-32k-sparse, model-32k-dense   the chunk model at the 32K cap
+#         grpo-32k      the GRPO step at 32K: a few rows measured, the model's rollouts added
+# Inputs of model-8k and grpo-32k (JSON of earlier parts, carried in the tree) are read from
+# $IN (default $OUT). The 8K runs use 96 prompts of 32 tokens with caps from the log-normal
+# mix, static batches of 32 (the pool they need at full length), refill with 64 slots in the
+# same pool. CUDA graphs off: at 0.95 of the memory the refill chunk's graph could not be
+# instantiated.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+part=${1:?PART: test, 8k-sparse, 8k-dense, model-8k, model-32k-sparse, model-32k-dense, grpo-32k}
+OUT=${OUT:-.out}
+IN=${IN:-$OUT}
+mkdir -p "$OUT"
+source scripts/gpu_env.sh >/dev/null
+export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 XLA_FLAGS=--xla_gpu_enable_command_buffer=
+mix8k=(--max-new 8192 --batch 32 --rows 96 --slots 64 --prefill-rows 16 --length-mix lognormal)
+mix32k=(--max-new 32768 --batch 19 --rows 57 --slots 48 --prefill-rows 16 --length-mix lognormal
+  --contexts 128 2048 4096 8192 12288 16384 24576 32768)
+rollout() { python3 scripts/bench_rollout.py "$@"; }
+case $part in
+  test) exec python3 -m pytest -q -p no:cacheprovider tests/test_refill.py \
+          tests/test_refill_schedule.py tests/test_chunk_time.py tests/test_engine_profile.py \
+          tests/test_trainer_refill.py ;;
+  8k-sparse|8k-dense)
+    rollout --phase refill "${mix8k[@]}" --modes "${part#8k-}" --out "$OUT/refill_$part.json" ;;
+  model-8k)
+    python3 - "$IN" "$OUT" <<'PY'
+import json, sys
+src, out = sys.argv[1:]
+runs = [json.load(open(f"{src}/refill_8k-{m}.json")) for m in ("sparse", "dense")]
+merged = dict(runs[0], modes={m: r["modes"][m] for r, m in zip(runs, ("sparse", "dense"))
+                              if m in r["modes"]})
+json.dump(merged, open(f"{out}/refill_8k.json", "w"))
+PY
+    rollout --phase refill-model "${mix8k[@]}" --refill-json "$OUT/refill_8k.json" \
+      --out "$OUT/refill_model_8k.json" ;;
+  model-32k-sparse|model-32k-dense)
+    rollout --phase refill-model "${mix32k[@]}" --modes "${part#model-32k-}" \
+      --out "$OUT/refill_$part.json" ;;
+  grpo-32k)
+    python3 - "$IN" "$OUT" <<'PY'
+import json, sys
+src, out = sys.argv[1:]
+runs = [json.load(open(f"{src}/refill_model-32k-{m}.json")) for m in ("sparse", "dense")]
+merged = dict(runs[0], modes={m: r["modes"][m] for r, m in zip(runs, ("sparse", "dense"))})
+json.dump(merged, open(f"{out}/refill_model_32k.json", "w"))
+PY
+    python3 scripts/bench_grpo.py --prompts 1 --samples 2 --max-new 32768 --steps 2 \
+      --schedules paper:qwen3-1.7b dense --micro-batch 2 \
+      --rollout-model "$OUT/refill_model_32k.json" --out "$OUT/grpo_32k.json" ;;
+  *) echo "unknown part $part" >&2; exit 2 ;;
+esac
