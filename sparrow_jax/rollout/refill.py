@@ -47,7 +47,8 @@ from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, UNFINISHED, DecodeSett
                                              start)
 from sparrow_jax.rollout.engine import (RolloutConfig, check_mesh, model_params, pool_size,
                                         prompt_caps, prompt_width)
-from sparrow_jax.rollout.refill_schedule import Admission, RefillScheduler, RefillStats
+from sparrow_jax.rollout.refill_schedule import (Admission, RefillScheduler, RefillStats,
+                                                 shard_prompts)
 from sparrow_jax.rollout.sampling import stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
@@ -125,9 +126,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     p, r, n, c = config.page_size, config.max_new_tokens, config.n, config.steps_per_call
     lengths = np.array([len(x) for x in prompts], np.int32)
     cache_dtype = jnp.dtype(config.cache_dtype or model.dtype)
-    # Prompts in G equal contiguous parts, one per row shard, as generate(mesh=) splits them.
-    k = -(-len(prompts) // groups)
-    parts = [range(g * k, min((g + 1) * k, len(prompts))) for g in range(groups)]
+    parts = shard_prompts(len(prompts), groups)
     tensor = 1 if mesh is None else mesh.shape[HEADS]
     device = None if mesh is None else mesh.devices.flat[0]
     num_pages = max(pool_size(config, cfg, lengths[list(part)], cache_dtype,

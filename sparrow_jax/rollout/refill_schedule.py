@@ -106,6 +106,13 @@ class _Shard:
     first: int               # its first prompt
 
 
+def shard_prompts(num_prompts: int, shards: int) -> list[range]:
+    """The prompts of each row shard: equal contiguous parts (``generate(mesh=)``'s split), the
+    last ones shorter or empty."""
+    k = -(-num_prompts // shards)
+    return [range(g * k, min((g + 1) * k, num_prompts)) for g in range(shards)]
+
+
 class RefillScheduler:
     """The host state of a refill run and its decisions, in the order the engine calls them
     between chunks: :meth:`grow` (preemptions), :meth:`admit` until it returns None,
@@ -126,9 +133,8 @@ class RefillScheduler:
         self.width, self.prefill_rows, self.bucket = width, prefill_rows, table_bucket_pages
         self.num_pages = num_pages
         per = slots // shards
-        self.k = -(-len(self.lengths) // shards)     # prompts per shard
-        parts = [range(g * self.k, min((g + 1) * self.k, len(self.lengths)))
-                 for g in range(shards)]
+        parts = shard_prompts(len(self.lengths), shards)
+        self.k = len(parts[0])                       # prompts per shard (the last may hold fewer)
         self.shards = [_Shard(alloc=GrowingPageAllocator(num_pages, page_size, seed=page_seed,
                                                          contiguous=contiguous_pages),
                               queue=collections.deque((i, j) for i in part for j in range(n)),
@@ -369,4 +375,4 @@ def simulate_refill(prompt_lengths, caps, *, n: int, slots: int, num_pages: int,
 
 
 __all__ = ["RefillScheduler", "Admission", "RefillStats", "GrowingPageAllocator",
-           "simulate_refill"]
+           "simulate_refill", "shard_prompts"]
