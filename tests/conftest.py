@@ -26,8 +26,8 @@ def _release_compiled_programs():
     """Drops JAX's compiled programs after each test module. Every XLA:CPU executable keeps its
     machine code in memory mappings of its own; the whole suite in one process compiled enough
     of them to near Linux's 65530 mappings per process (vm.max_map_count): 34K at 42% of the
-    suite, and LLVM's code allocator crashed (segmentation fault) compiling the last test's
-    optimizer step once mmap failed. Freed per module, a process holds a few hundred."""
+    suite, 46K at 53%; its last test then crashed (segmentation fault) in XLA:CPU's compiler,
+    most likely when mmap failed. Freed per module, a process holds a few hundred."""
     yield
     jax.clear_caches()
     gc.collect()
