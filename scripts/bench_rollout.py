@@ -393,6 +393,19 @@ def _timed(label, fn):
     return result, wall - compile_s, compile_s
 
 
+def mix_setup(args, mesh) -> tuple[RolloutConfig, np.ndarray, int]:
+    """The refill phases' shared set-up -> (the engine config with the pool a static batch of
+    ``--batch`` rows needs at full length, each row's cap from ``--length-mix``, the slots)."""
+    if mesh is not None or not args.batch or args.rows % args.batch:
+        raise SystemExit(f"--phase {args.phase}: no --mesh; --batch B with --rows a multiple "
+                         "of B")
+    rc = rollout_config(args.max_new)
+    pool = int(pages_needed(np.array([args.prompt_len]), 1, args.max_new, rc.page_size)[0]
+               * args.batch + 1)
+    caps = length_mix(args.length_mix, args.rows, args.max_new, seed=0)
+    return dataclasses.replace(rc, num_pages=pool), caps, args.slots or args.batch
+
+
 def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
     """Refill vs static on a length mix: ``--rows`` prompts (one sample each), each capped at a
     length of ``--length-mix``; the static engine in batches of ``--batch`` prompts one after
@@ -400,16 +413,10 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
     batch needs at full length (same memory). Tokens/s = generated tokens / seconds to the last
     row's end (compilation excluded)."""
     del ceiling, wbytes
-    if mesh is not None or not args.batch or args.rows % args.batch:
-        raise SystemExit("--phase refill: no --mesh; --batch B with --rows a multiple of B")
-    rc0 = rollout_config(args.max_new)
-    pool = int(pages_needed(np.array([args.prompt_len]), 1, args.max_new, rc0.page_size)[0]
-               * args.batch + 1)
-    rc = dataclasses.replace(rc0, num_pages=pool)
-    caps = length_mix(args.length_mix, args.rows, args.max_new, seed=0)
+    rc, caps, slots = mix_setup(args, mesh)
+    pool = rc.num_pages
     rng = np.random.default_rng(0)
     prompts = rng.integers(0, cfg.vocab_size, (args.rows, args.prompt_len)).tolist()
-    slots = args.slots or args.batch
     out.update(batch=args.batch, rows=args.rows, slots=slots, num_pages=pool,
                max_new=args.max_new, length_mix=args.length_mix,
                caps=dict(mean=float(caps.mean()), median=float(np.median(caps)),
@@ -472,14 +479,9 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
     use at a short context, and ``--contexts``). ``--refill-json``: a ``--phase refill`` run of
     the same arguments, whose measured seconds the predictions are checked against."""
     del ceiling, wbytes
-    if mesh is not None or not args.batch or args.rows % args.batch:
-        raise SystemExit("--phase refill-model: no --mesh; --batch B with --rows a multiple of B")
-    rc = rollout_config(args.max_new)
-    p, c = rc.page_size, rc.steps_per_call
+    rc, caps, slots = mix_setup(args, mesh)
+    p, c, pool = rc.page_size, rc.steps_per_call, rc.num_pages
     lengths = np.full(args.rows, args.prompt_len)
-    pool = int(pages_needed(lengths[:1], 1, args.max_new, p)[0] * args.batch + 1)
-    caps = length_mix(args.length_mix, args.rows, args.max_new, seed=0)
-    slots = args.slots or args.batch
     width = -(-(prompt_width(lengths, rc) + args.max_new) // p)
     runs = {"refill": simulate_refill(lengths, caps, n=1, slots=slots, num_pages=pool,
                                       page_size=p, steps_per_call=c, width=width,

@@ -186,8 +186,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     return out, sched.stats()
 
 
-def _put_rows(x: np.ndarray, mesh: Mesh | None) -> jax.Array:
-    """A host array of slots onto the device(s), split over the mesh's row shards."""
+def _put_rows(x, mesh: Mesh | None) -> jax.Array:
+    """An array of slots (host, or keys) onto the device(s), split over the mesh's row
+    shards."""
     if mesh is None:
         return jnp.asarray(x)
     return jax.device_put(x, NamedSharding(mesh, PartitionSpec(ROWS)))
@@ -205,9 +206,8 @@ def _admit_pending(state: LoopState, adm: Admission, graphdef, params, tokens, i
 
     prompt_tokens = np.where((adm.prompts >= 0)[..., None], tokens[np.maximum(adm.prompts, 0)],
                              0).astype(np.int32)
-    streams = stream_keys(key, ids[adm.row_prompts].reshape(-1), adm.samples.reshape(-1))
-    if mesh is not None:
-        streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(ROWS)))
+    streams = _put_rows(stream_keys(key, ids[adm.row_prompts].reshape(-1),
+                                    adm.samples.reshape(-1)), mesh)
     # The pool is donated to the prefill and comes back as the newcomers' cache.
     cache = _prefill_cache(state.cache, put(adm.prefill_table), mesh)
     with warnings.catch_warnings():
@@ -333,9 +333,7 @@ def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, k
         topk_ids=rows(np.zeros((slots, r, k), np.int32)),
         topk_logprobs=rows(np.full((slots, r, k), -np.inf, np.float32)),
         budgets=rows(np.zeros((slots, r), np.int32)),
-        streams=stream_keys(key, np.zeros(slots), np.zeros(slots)) if mesh is None else
-        jax.device_put(stream_keys(key, np.zeros(slots), np.zeros(slots)),
-                       NamedSharding(mesh, PartitionSpec(ROWS))))
+        streams=rows(stream_keys(key, np.zeros(slots), np.zeros(slots))))
 
 
 def _empty_output(rows, t, r, k, n, mesh: Mesh | None) -> Rollout:

@@ -145,7 +145,7 @@ class RefillScheduler:
         self.counters = collections.Counter()
         self.peak = 0
         # Tokens each prompt's first chunk may write.
-        self.first = np.minimum(steps_per_call, self.caps)
+        self.first_chunk = np.minimum(steps_per_call, self.caps)
 
     @property
     def busy(self) -> bool:
@@ -212,9 +212,10 @@ class RefillScheduler:
         while shard.queue and taken < limit:
             i, j = shard.queue[0]
             new_group = not groups or groups[-1][0] != i
-            cost = int(pages_needed(self.lengths[i], 1 if new_group else 2, self.first[i], p)[0])
+            first = self.first_chunk[i]
+            cost = int(pages_needed(self.lengths[i], 1 if new_group else 2, first, p)[0])
             if not new_group:   # one more sample of the last group: its own pages only
-                cost -= int(pages_needed(self.lengths[i], 1, self.first[i], p)[0])
+                cost -= int(pages_needed(self.lengths[i], 1, first, p)[0])
             if cost > budget:
                 break
             budget -= cost
@@ -255,7 +256,7 @@ class RefillScheduler:
                 continue
             prompts = [grp[0] for grp in groups]
             counts = [len(grp[1]) for grp in groups]
-            a = sh.alloc.allocate(self.lengths[prompts], counts, self.first[prompts],
+            a = sh.alloc.allocate(self.lengths[prompts], counts, self.first_chunk[prompts],
                                   max_pages_per_seq=w)
             m, t = len(prompts), taken[g]
             adm.prompts[g, :m] = prompts
@@ -272,7 +273,7 @@ class RefillScheduler:
             adm.live[g, :t] = True
             free = [s for s in sh.slots if self.held[s] is None][:t]
             adm.dst[g, :t] = [s - sh.slots.start for s in free]
-            pages = -(-(self.lengths[prompts] + self.first[prompts]) // p)
+            pages = -(-(self.lengths[prompts] + self.first_chunk[prompts]) // p)
             for row, ((i, j), s) in enumerate(zip(samples, free)):
                 self.counters["order"] += 1
                 self.held[s] = _Slot(prompt=i, sample=j, seq_id=int(a.seq_ids[row]),
