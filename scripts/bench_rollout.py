@@ -491,7 +491,12 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
             "static": static_chunks(lengths, caps, batch=args.batch, page_size=p,
                                     steps_per_call=c, width=width,
                                     table_bucket_pages=rc.table_bucket_pages)}
+    runs = {k: v for k, v in runs.items() if k in args.runs}
     counts = {"refill": slots, "static": args.batch}
+    distinct = {run: min(count, args.distinct_rows or args.batch) for run, count in counts.items()}
+    # Rows past the static batch's own need their own pages in the profile's pool.
+    profile_rc = dataclasses.replace(rc, num_pages=max(pool, (pool - 1) // args.batch
+                                                       * max(distinct.values()) + 1))
     # time_context clamps a context near the cap to the last that stays running.
     contexts = sorted({min(x, args.prompt_len + args.max_new) for x in args.contexts})
     measured = None
@@ -506,9 +511,10 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
         entry = out["modes"][mode] = {}
         for run, chunks in runs.items():
             widths = sorted({ch["width"] for ch in chunks})
+            batch = state = None     # the last run's pool freed before the next is built
             batch, graphdef, params, state = fixed_context_batch(
-                model, rc, rows=counts[run], prompt_len=args.prompt_len, key=jax.random.key(1),
-                schedule=sched, distinct_rows=min(counts[run], args.batch))
+                model, profile_rc, rows=counts[run], prompt_len=args.prompt_len,
+                key=jax.random.key(1), schedule=sched, distinct_rows=distinct[run])
             short = []
             for w in widths:
                 state, timing = time_context(batch, graphdef, params, state, args.prompt_len + c,
@@ -521,7 +527,7 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
                 counts[run], short, [(r["mean_context"], r["table_width"], r["step_ms"])
                                      for r in rows])
             seconds = predict_seconds(chunks, times)
-            entry[run] = dict(slots=counts[run], short=short, rows=rows, seconds=seconds,
+            entry[run] = dict(slots=counts[run], distinct_rows=distinct[run], short=short, rows=rows, seconds=seconds,
                               tokens_per_s=int(caps.sum()) / seconds)
             if measured is not None and mode in measured.get("modes", {}):
                 got = measured["modes"][mode].get(run)
@@ -534,8 +540,9 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
                      f"{100 * entry[run]['error']:+.1f}%)" if "error" in entry[run] else ""),
                   flush=True)
             _save(args, out)
-        entry["speedup"] = entry["static"]["seconds"] / entry["refill"]["seconds"]
-    if set(MODES) <= set(out["modes"]):
+        if len(runs) == 2:
+            entry["speedup"] = entry["static"]["seconds"] / entry["refill"]["seconds"]
+    if set(MODES) <= set(out["modes"]) and len(runs) == 2:
         m = out["modes"]
         out["sparse_over_dense"] = {run: m["dense"][run]["seconds"] / m["sparse"][run]["seconds"]
                                     for run in runs}
@@ -590,18 +597,21 @@ def report(out):
                          f"{e['same_lengths']} |")
     elif out["phase"] == "refill-model":
         lines.append(f"{out['rows']} rows capped by the {out['length_mix']} mix at "
-                     f"{out['max_new']} ({out['tokens']} tokens); static batches of {b} "
-                     f"({out['chunks']['static']} chunks), refill {out['slots']} slots "
-                     f"({out['chunks']['refill']} chunks); predicted from fixed-context steps")
-        lines.append("| mode | static s | refill s | refill/static | measured static / refill s |")
+                     f"{out['max_new']} ({out['tokens']} tokens); static batches of {b}, "
+                     f"refill {out['slots']} slots; chunks {out['chunks']}; predicted from "
+                     "fixed-context steps")
+        lines.append("| mode | run | slots (own pages) | predicted s | measured s (error) |")
         lines.append("| --- | --- | --- | --- | --- |")
         for m, e in out["modes"].items():
-            if "speedup" not in e:
-                continue
-            got = " / ".join(f"{e[r]['measured_s']:.2f} ({100 * e[r]['error']:+.1f}%)"
-                             if "measured_s" in e[r] else "-" for r in ("static", "refill"))
-            lines.append(f"| {m} | {e['static']['seconds']:.2f} | {e['refill']['seconds']:.2f} "
-                         f"| {e['speedup']:.2f} | {got} |")
+            for r in ("static", "refill"):
+                if r not in e:
+                    continue
+                got = (f"{e[r]['measured_s']:.2f} ({100 * e[r]['error']:+.1f}%)"
+                       if "measured_s" in e[r] else "-")
+                lines.append(f"| {m} | {r} | {e[r]['slots']} ({e[r]['distinct_rows']}) | "
+                             f"{e[r]['seconds']:.2f} | {got} |")
+            if "speedup" in e:
+                lines.append(f"{m}: refill/static {e['speedup']:.2f}x")
         if "sparse_over_dense" in out:
             lines.append("sparse/dense tokens/s: " + ", ".join(
                 f"{k} {v:.2f}x" for k, v in out["sparse_over_dense"].items()))
@@ -661,6 +671,11 @@ def main(argv=None):
                     help="refill: the per-prompt caps' mix")
     ap.add_argument("--refill-json", default=None,
                     help="refill-model: a --phase refill run's JSON to check the prediction on")
+    ap.add_argument("--runs", nargs="+", choices=("refill", "static"),
+                    default=["refill", "static"], help="refill-model: the runs to price")
+    ap.add_argument("--distinct-rows", type=int, default=0,
+                    help="refill-model: rows with pages of their own in the profile (0: --batch; "
+                         "more need a larger pool); the others repeat them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mesh = None

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Continuous refill on one GPU (issue 17's figures), in parts that each fit a 10-minute call;
 # each writes its JSON under $OUT (default .out/) and prints its table.
-#   bash scripts/refill_gpu.sh PART
+#   bash scripts/refill_gpu.sh PART [bench_rollout.py args, appended]
 #   PART: test          the refill tests on the GPU (refill, its replay, the chunk model)
 #         8k-sparse     end to end at the 8K cap, static vs refill, the paper schedule
 #         8k-dense      the same, dense
@@ -16,19 +16,23 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?PART: test, 8k-sparse, 8k-dense, model-8k, model-32k-sparse, model-32k-dense, grpo-32k}
+shift
 OUT=${OUT:-.out}
 IN=${IN:-$OUT}
 mkdir -p "$OUT"
 source scripts/gpu_env.sh >/dev/null
-export XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 XLA_FLAGS=--xla_gpu_enable_command_buffer=
+# 0.9: the 8K refill engine's chunk; the 32K profile's pool (19 rows at 32K, 71 GB) needs 0.95.
+case $part in *32k*) frac=0.95 ;; *) frac=0.9 ;; esac
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$frac XLA_FLAGS=--xla_gpu_enable_command_buffer=
 mix8k=(--max-new 8192 --batch 32 --rows 96 --slots 64 --prefill-rows 16 --length-mix lognormal)
 mix32k=(--max-new 32768 --batch 19 --rows 57 --slots 48 --prefill-rows 16 --length-mix lognormal
   --contexts 128 2048 4096 8192 12288 16384 24576 32768)
-rollout() { python3 scripts/bench_rollout.py "$@"; }
+extra=("$@")
+rollout() { python3 scripts/bench_rollout.py "$@" "${extra[@]}"; }
 case $part in
   test) exec python3 -m pytest -q -p no:cacheprovider tests/test_refill.py \
           tests/test_refill_schedule.py tests/test_chunk_time.py tests/test_engine_profile.py \
-          tests/test_trainer_refill.py ;;
+          tests/test_trainer_refill.py "${extra[@]}" ;;
   8k-sparse|8k-dense)
     rollout --phase refill "${mix8k[@]}" --modes "${part#8k-}" --out "$OUT/refill_$part.json" ;;
   model-8k)
