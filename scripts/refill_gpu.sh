@@ -11,8 +11,9 @@
 # Inputs of model-8k and grpo-32k (JSON of earlier parts, carried in the tree) are read from
 # $IN (default $OUT). The 8K runs use 96 prompts of 32 tokens with caps from the log-normal
 # mix, static batches of 32 (the pool they need at full length), refill with 64 slots in the
-# same pool. CUDA graphs off: at 0.95 of the memory the refill chunk's graph could not be
-# instantiated.
+# same pool. CUDA graphs on (XLA's default; GRAPHS=0 turns them off): without them a step
+# launches each of its kernels from the host, which at a few ms a step is most of the step
+# and varies from chunk to chunk (measured: BENCHMARKS.md, continuous refill).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 part=${1:?PART: test, 8k-sparse, 8k-dense, model-8k, model-32k-sparse, model-32k-dense, grpo-32k}
@@ -21,9 +22,11 @@ OUT=${OUT:-.out}
 IN=${IN:-$OUT}
 mkdir -p "$OUT"
 source scripts/gpu_env.sh >/dev/null
-# 0.9: the 8K refill engine's chunk; the 32K profile's pool (19 rows at 32K, 71 GB) needs 0.95.
+# 0.9: room for the refill chunk's CUDA graph (at 0.95 it could not be instantiated); the 32K
+# profile's pool (19 rows at 32K, 71 GB) needs 0.95.
 case $part in *32k*) frac=0.95 ;; *) frac=0.9 ;; esac
-export XLA_PYTHON_CLIENT_MEM_FRACTION=$frac XLA_FLAGS=--xla_gpu_enable_command_buffer=
+export XLA_PYTHON_CLIENT_MEM_FRACTION=$frac
+[ "${GRAPHS:-1}" = 1 ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 mix8k=(--max-new 8192 --batch 32 --rows 96 --slots 64 --prefill-rows 16 --length-mix lognormal)
 mix32k=(--max-new 32768 --batch 19 --rows 57 --slots 48 --prefill-rows 16 --length-mix lognormal
   --contexts 128 2048 4096 8192 12288 16384 24576 32768)
