@@ -51,8 +51,9 @@ def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
     assert len(ms) == 3 and [sorted(m) for m in ms] == [sorted(m) for m in mr]
     # The same tokens (so rewards and lengths) on every backend. The behaviour log-probs come
     # from decode steps over 3 rows instead of 8: bit for bit on CPU, whose kernels do not
-    # depend on the row count; a GPU's matmuls may pick another algorithm per row count.
-    tol = 0 if jax.default_backend() == "cpu" else 1e-4
+    # depend on the row count; a GPU's float32 matmuls run in TF32 (10-bit mantissa), its
+    # algorithm chosen per shape (measured on an H100: metrics 5e-4 apart).
+    tol = 0 if jax.default_backend() == "cpu" else 3e-3
     for m, n in zip(ms, mr):
         for k in ("reward_mean", "reward_std", "response_length_mean", "response_length_max"):
             assert m[k] == n[k], k
