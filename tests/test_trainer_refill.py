@@ -61,7 +61,15 @@ def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
                                    rtol=tol, atol=tol, err_msg=str(sorted(m)))
     for x, y in zip(jax.tree.leaves(nnx.state(a.model, nnx.Param)),
                     jax.tree.leaves(nnx.state(b.model, nnx.Param))):
-        np.testing.assert_allclose(np.asarray(y), np.asarray(x), rtol=tol, atol=tol)
+        x, y = np.asarray(x), np.asarray(y)
+        if tol == 0:
+            np.testing.assert_array_equal(y, x)
+        else:
+            # Adam moves a weight by about the learning rate a step whatever its gradient's
+            # size: where a gradient is near zero, TF32's noise can flip that step (measured:
+            # 1 weight in 16384 3.6e-3 apart). Any other difference would move many weights.
+            diff = np.abs(y - x)
+            assert diff.max() <= 2 * 3 * 1e-3 and np.mean(diff > 1e-4) < 1e-3, diff.max()
 
 
 def test_refill_slots_are_checked(tmp_path):
