@@ -379,7 +379,8 @@ def _save(args, out) -> None:
     """``out`` to ``--out`` now (a run cut short keeps what it measured)."""
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(out, f, indent=1)
+            json.dump(out, f, indent=1,
+                      default=lambda x: x.tolist() if hasattr(x, "tolist") else str(x))
 
 
 def _timed(label, fn):
@@ -403,7 +404,9 @@ def mix_setup(args, mesh) -> tuple[RolloutConfig, np.ndarray, int]:
     pool = int(pages_needed(np.array([args.prompt_len]), 1, args.max_new, rc.page_size)[0]
                * args.batch + 1)
     caps = length_mix(args.length_mix, args.rows, args.max_new, seed=0)
-    return dataclasses.replace(rc, num_pages=pool), caps, args.slots or args.batch
+    slots = args.slots or args.batch
+    args.prefill_rows = args.prefill_rows or min(16, slots)
+    return dataclasses.replace(rc, num_pages=pool), caps, slots
 
 
 def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
@@ -475,9 +478,11 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
     """Refill vs static where the end-to-end runs would not fit the machine (the 32K cap): both
     runs' chunks replayed on the host (``simulate_refill``, ``static_chunks``; rows run to
     their caps, as in ``--phase refill``) and priced with fixed-context step times measured
-    here at both slot counts (``sparrow_jax.rollout.chunk_time``: every table width the chunks
-    use at a short context, and ``--contexts``). ``--refill-json``: a ``--phase refill`` run of
-    the same arguments, whose measured seconds the predictions are checked against."""
+    here (``sparrow_jax.rollout.chunk_time``): the static batch at a short context at every
+    table width its chunks use and at ``--contexts`` (its per-step term and each row's cost),
+    the refill slots at a short context at every width refill's chunks use (their per-step
+    term). ``--refill-json``: a ``--phase refill`` run of the same arguments, whose measured
+    seconds the predictions are checked against."""
     del ceiling, wbytes
     rc, caps, slots = mix_setup(args, mesh)
     p, c, pool = rc.page_size, rc.steps_per_call, rc.num_pages
@@ -491,12 +496,6 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
             "static": static_chunks(lengths, caps, batch=args.batch, page_size=p,
                                     steps_per_call=c, width=width,
                                     table_bucket_pages=rc.table_bucket_pages)}
-    runs = {k: v for k, v in runs.items() if k in args.runs}
-    counts = {"refill": slots, "static": args.batch}
-    distinct = {run: min(count, args.distinct_rows or args.batch) for run, count in counts.items()}
-    # Rows past the static batch's own need their own pages in the profile's pool.
-    profile_rc = dataclasses.replace(rc, num_pages=max(pool, (pool - 1) // args.batch
-                                                       * max(distinct.values()) + 1))
     # time_context clamps a context near the cap to the last that stays running.
     contexts = sorted({min(x, args.prompt_len + args.max_new) for x in args.contexts})
     measured = None
@@ -506,43 +505,51 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
     out.update(batch=args.batch, rows=args.rows, slots=slots, num_pages=pool,
                max_new=args.max_new, length_mix=args.length_mix, tokens=int(caps.sum()),
                chunks={k: len(v) for k, v in runs.items()}, modes={})
+
+    def short_points(batch, graphdef, params, state, chunks):
+        points = []
+        for w in sorted({ch["width"] for ch in chunks}):
+            state, timing = time_context(batch, graphdef, params, state, args.prompt_len + c,
+                                         repeats=args.repeats, min_width=w)
+            points.append((timing.table_width, 1e3 * statistics.median(timing.step_seconds)))
+        return state, points
+
+    key = jax.random.key(1)
     for mode in args.modes:
         sched = schedule_for(mode)
         entry = out["modes"][mode] = {}
+        batch, graphdef, params, state = fixed_context_batch(
+            model, rc, rows=args.batch, prompt_len=args.prompt_len, key=key, schedule=sched)
+        state, short = short_points(batch, graphdef, params, state, runs["static"])
+        state, rows = time_contexts(batch, graphdef, params, state, contexts,
+                                    repeats=args.repeats, label=f"{mode} static")
+        batch = state = None                 # the pool freed before the next is built
+        times = {"static": SlotStepTimes.from_points(
+            args.batch, short, [(r["mean_context"], r["table_width"], r["step_ms"])
+                                for r in rows])}
+        # The slots hold a short context's pages only (time_context's span past the start).
+        batch, graphdef, params, state = fixed_context_batch(
+            model, rc, rows=slots, prompt_len=args.prompt_len, key=key, schedule=sched,
+            max_context=args.prompt_len + c * (args.repeats + 3))
+        _, slot_short = short_points(batch, graphdef, params, state, runs["refill"])
+        batch = state = None
+        times["refill"] = times["static"].with_slots(slots, slot_short)
+        entry["per_row"] = rows
         for run, chunks in runs.items():
-            widths = sorted({ch["width"] for ch in chunks})
-            batch = state = None     # the last run's pool freed before the next is built
-            batch, graphdef, params, state = fixed_context_batch(
-                model, profile_rc, rows=counts[run], prompt_len=args.prompt_len,
-                key=jax.random.key(1), schedule=sched, distinct_rows=distinct[run])
-            short = []
-            for w in widths:
-                state, timing = time_context(batch, graphdef, params, state, args.prompt_len + c,
-                                             repeats=args.repeats, min_width=w)
-                short.append((timing.table_width, 1e3 * statistics.median(timing.step_seconds)))
-            state, rows = time_contexts(batch, graphdef, params, state, contexts,
-                                        repeats=args.repeats, label=f"{mode} {run}")
-            del state
-            times = SlotStepTimes.from_points(
-                counts[run], short, [(r["mean_context"], r["table_width"], r["step_ms"])
-                                     for r in rows])
-            seconds = predict_seconds(chunks, times)
-            entry[run] = dict(slots=counts[run], distinct_rows=distinct[run], short=short, rows=rows, seconds=seconds,
-                              tokens_per_s=int(caps.sum()) / seconds)
-            if measured is not None and mode in measured.get("modes", {}):
-                got = measured["modes"][mode].get(run)
-                if got:
-                    entry[run].update(measured_s=got["seconds"],
-                                      error=seconds / got["seconds"] - 1)
+            seconds = predict_seconds(chunks, times[run])
+            entry[run] = dict(slots=times[run].slots,
+                              short=short if run == "static" else slot_short,
+                              seconds=seconds, tokens_per_s=int(caps.sum()) / seconds)
+            got = (measured or {}).get("modes", {}).get(mode, {}).get(run)
+            if got:
+                entry[run].update(measured_s=got["seconds"], error=seconds / got["seconds"] - 1)
             print(f"  {mode} {run}: predicted {seconds:.2f} s, "
                   f"{entry[run]['tokens_per_s']:.0f} tokens/s"
-                  + (f" (measured {entry[run]['measured_s']:.2f} s, "
-                     f"{100 * entry[run]['error']:+.1f}%)" if "error" in entry[run] else ""),
-                  flush=True)
-            _save(args, out)
-        if len(runs) == 2:
-            entry["speedup"] = entry["static"]["seconds"] / entry["refill"]["seconds"]
-    if set(MODES) <= set(out["modes"]) and len(runs) == 2:
+                  + (f" (measured {got['seconds']:.2f} s, {100 * entry[run]['error']:+.1f}%)"
+                     if got else ""), flush=True)
+        entry["speedup"] = entry["static"]["seconds"] / entry["refill"]["seconds"]
+        _save(args, out)
+    if set(MODES) <= set(out["modes"]):
         m = out["modes"]
         out["sparse_over_dense"] = {run: m["dense"][run]["seconds"] / m["sparse"][run]["seconds"]
                                     for run in runs}
@@ -600,18 +607,15 @@ def report(out):
                      f"{out['max_new']} ({out['tokens']} tokens); static batches of {b}, "
                      f"refill {out['slots']} slots; chunks {out['chunks']}; predicted from "
                      "fixed-context steps")
-        lines.append("| mode | run | slots (own pages) | predicted s | measured s (error) |")
+        lines.append("| mode | run | slots | predicted s | measured s (error) |")
         lines.append("| --- | --- | --- | --- | --- |")
         for m, e in out["modes"].items():
             for r in ("static", "refill"):
-                if r not in e:
-                    continue
                 got = (f"{e[r]['measured_s']:.2f} ({100 * e[r]['error']:+.1f}%)"
                        if "measured_s" in e[r] else "-")
-                lines.append(f"| {m} | {r} | {e[r]['slots']} ({e[r]['distinct_rows']}) | "
+                lines.append(f"| {m} | {r} | {e[r]['slots']} | "
                              f"{e[r]['seconds']:.2f} | {got} |")
-            if "speedup" in e:
-                lines.append(f"{m}: refill/static {e['speedup']:.2f}x")
+            lines.append(f"{m}: refill/static {e['speedup']:.2f}x")
         if "sparse_over_dense" in out:
             lines.append("sparse/dense tokens/s: " + ", ".join(
                 f"{k} {v:.2f}x" for k, v in out["sparse_over_dense"].items()))
@@ -665,17 +669,12 @@ def main(argv=None):
                          "--emit-breakdown)")
     ap.add_argument("--rows", type=int, default=256, help="refill: prompts (one sample each)")
     ap.add_argument("--slots", type=int, default=0, help="refill: decode slots (0: --batch)")
-    ap.add_argument("--prefill-rows", type=int, default=16,
-                    help="refill: rows per admission call (one compilation)")
+    ap.add_argument("--prefill-rows", type=int, default=0,
+                    help="refill: rows per admission call (one compilation; 0: 16 or the slots)")
     ap.add_argument("--length-mix", choices=KINDS, default="lognormal",
                     help="refill: the per-prompt caps' mix")
     ap.add_argument("--refill-json", default=None,
                     help="refill-model: a --phase refill run's JSON to check the prediction on")
-    ap.add_argument("--runs", nargs="+", choices=("refill", "static"),
-                    default=["refill", "static"], help="refill-model: the runs to price")
-    ap.add_argument("--distinct-rows", type=int, default=0,
-                    help="refill-model: rows with pages of their own in the profile (0: --batch; "
-                         "more need a larger pool); the others repeat them")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mesh = None
@@ -717,9 +716,7 @@ def main(argv=None):
     finally:
         out["seconds"] = time.perf_counter() - t0
         out["compile_seconds"] = _compile_seconds[0]
-        if args.out:
-            with open(args.out, "w") as f:
-                json.dump(out, f, indent=1)
+        _save(args, out)
     report(out)
 
 

@@ -28,6 +28,7 @@ case $part in *32k*) frac=0.95 ;; *) frac=0.9 ;; esac
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$frac
 [ "${GRAPHS:-1}" = 1 ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 mix8k=(--max-new 8192 --batch 32 --rows 96 --slots 64 --prefill-rows 16 --length-mix lognormal)
+model=(--repeats 4)
 mix32k=(--max-new 32768 --batch 19 --rows 57 --slots 48 --prefill-rows 16 --length-mix lognormal
   --contexts 128 2048 4096 8192 12288 16384 24576 32768)
 extra=("$@")
@@ -47,10 +48,10 @@ merged = dict(runs[0], modes={m: r["modes"][m] for r, m in zip(runs, ("sparse", 
                               if m in r["modes"]})
 json.dump(merged, open(f"{out}/refill_8k.json", "w"))
 PY
-    rollout --phase refill-model "${mix8k[@]}" --refill-json "$OUT/refill_8k.json" \
+    rollout --phase refill-model "${mix8k[@]}" "${model[@]}" --refill-json "$OUT/refill_8k.json" \
       --out "$OUT/refill_model_8k.json" ;;
   model-32k-sparse|model-32k-dense)
-    rollout --phase refill-model "${mix32k[@]}" --modes "${part#model-32k-}" \
+    rollout --phase refill-model "${mix32k[@]}" "${model[@]}" --modes "${part#model-32k-}" \
       --out "$OUT/refill_$part.json" ;;
   grpo-32k)
     python3 - "$IN" "$OUT" <<'PY'

@@ -21,6 +21,11 @@ def test_step_model_by_hand():
     assert predict_seconds(chunks, times) == pytest.approx(2 * 3.0e-3)
     with pytest.raises(ValueError, match="two contexts"):
         SlotStepTimes.from_points(2, [(4, 1.0)], [(10, 4, 3.0)])
+    # 5 slots whose short-context step is 4 ms at width 4 and 6 ms at 8: the rows' costs stay.
+    five = times.with_slots(5, [(8, 6.0), (4, 4.0)])
+    assert five.slots == 5 and five.step_ms(6, [15, 10]) == pytest.approx(5.0 + 1.5 + 1.0)
+    with pytest.raises(ValueError, match="short-context point"):
+        times.with_slots(5, [])
 
 
 def test_static_chunks_by_hand():

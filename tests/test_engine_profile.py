@@ -93,29 +93,39 @@ def test_profile_holds_one_pool():
     assert [x.unsafe_buffer_pointer() for x in _pool(state)] == pointers   # updated in place
 
 
-def test_repeated_rows_share_pages_and_decode_alike():
-    """``distinct_rows``: 5 rows over the pages of 2; a repeated row reads and writes its
-    original's pages with its original's stream, so it decodes the very same tokens. A
-    ``min_width`` widens the chunk's table (a short row beside a long one) without changing
-    what it computes."""
+def test_short_rows_in_a_wide_table():
+    """``max_context``: 5 rows holding the pages of 12 tokens each (3 of 4 tokens) in a pool of
+    just those (+ the null page), their tables at the config's full width (the prompt padded to
+    8, + 40: 12 columns) with the rest on the null page. A ``min_width`` chunk at a short context reads
+    a wide table (a short row beside a long one) and decodes what the narrow table decodes."""
     model = init_model(CFG, seed=0)
     config = RolloutConfig(n=1, max_new_tokens=40, page_size=P, steps_per_call=4,
-                           temperature=1.0, dense_layers=(0,), table_bucket_pages=1)
-    batch, graphdef, params, state = fixed_context_batch(
-        model, config, rows=5, prompt_len=5, key=jax.random.key(0), distinct_rows=2,
-        schedule=BudgetSchedule.fixed(3, page_size=P))
-    table = np.asarray(state.cache.page_table)
-    np.testing.assert_array_equal(table[2:], table[[0, 1, 0]])
-    np.testing.assert_array_equal(batch.layout.page_table[2:],
-                                  batch.layout.page_table[[0, 1, 0]])
-    assert len(np.unique(table[:2][table[:2] > 0])) == (table[:2] > 0).sum()   # 2 own tables
-    state, timing = time_context(batch, graphdef, params, state, 12, repeats=1, min_width=12)
-    assert timing.table_width == 16                # 12 columns asked -> the bucket 16, where
-    #                                                the chunk's 15 tokens alone need 4 columns
-    tokens, lps = np.asarray(state.tokens), np.asarray(state.logprobs)
-    np.testing.assert_array_equal(tokens[2:], tokens[[0, 1, 0]])
-    np.testing.assert_array_equal(lps[2:], lps[[0, 1, 0]])
-    assert not np.array_equal(tokens[0], tokens[1])
-    with pytest.raises(ValueError, match="distinct_rows=2: one device, n = 1"):
-        fixed_context_batch(model, RolloutConfig(n=2, page_size=P), rows=4, prompt_len=5,
-                            key=jax.random.key(0), distinct_rows=2)
+                           temperature=1.0, dense_layers=(0,), table_bucket_pages=1,
+                           prompt_multiple=8, pool_multiple=1, num_pages=999)
+    sched = BudgetSchedule.fixed(3, page_size=P)
+    def build():
+        return fixed_context_batch(model, config, rows=5, prompt_len=5, key=jax.random.key(0),
+                                   schedule=sched, max_context=12)
+
+    batch, graphdef, params, state = build()
+    table = np.asarray(batch.layout.page_table)
+    assert table.shape == (5, 12) and batch.layout.num_pages == 5 * 3 + 1
+    own = table[:, :3]
+    assert (table[:, 3:] == 0).all() and sorted(own.ravel()) == list(range(1, 16))
+    np.testing.assert_array_equal(batch.layout.prompt_caps, [7] * 5)
+    # Asked for mean 9: one chunk from 6 to 10 tokens (mean 8), the start clamped so that the
+    # rows stay short of their 12 tokens (limit 11, minus the span, minus 1).
+    state, t1 = time_context(batch, graphdef, params, state, 9, repeats=1)
+    assert t1.table_width == 4 and t1.mean_context == 8
+    batch, graphdef, params, wide = build()             # the same start, in a wide table
+    wide, t2 = time_context(batch, graphdef, params, wide, 9, repeats=1, min_width=12)
+    assert t2.table_width == 12
+    np.testing.assert_array_equal(np.asarray(wide.tokens), np.asarray(state.tokens))
+    np.testing.assert_allclose(np.asarray(wide.logprobs), np.asarray(state.logprobs), rtol=1e-6)
+    assert len({tuple(r) for r in np.asarray(state.tokens)[:, 6:11]}) > 1   # rows differ
+    # Asked past its pages: the same clamp.
+    _, t3 = time_context(batch, graphdef, params, state, 40, repeats=1)
+    assert t3.mean_context == 8
+    with pytest.raises(ValueError, match="max_context=5 must lie in"):
+        fixed_context_batch(model, config, rows=5, prompt_len=5, key=jax.random.key(0),
+                            max_context=5)

@@ -6,14 +6,18 @@ widths a device can hold (``scripts/bench_rollout.py --phase refill-model``).
 Model, for a decode step of S slots at table width W whose running rows hold c_1 .. c_m
 tokens::
 
-    t = A(W) + sum_i h(c_i)
+    t = A_S(W) + sum_i h(c_i)
 
-``A(W)``: the step with every slot at a short context in a W-wide table (the weights, the
+``A_S(W)``: the step with every slot at a short context in a W-wide table (the weights, the
 LM head and sampling of every slot, idle ones included, and what the kernels spend on the
-table's width: the sparse selection holds each row's whole table). ``h(c) = (T(c) - A(W_c))
-/ S``: what one row at context c adds, from ``T(c)``, the step with all S rows at context c
-(measured at the width ``W_c`` a batch at c gets). Linear between the measured contexts and
-widths; a chunk of k steps is priced at its rows' mid-chunk contexts ``c_i + k / 2``.
+table's width: the sparse selection holds each row's whole table). ``h(c) = (T_b(c) -
+A_b(W_c)) / b``: what one row at context c adds, from ``T_b(c)``, the step with a batch of b
+rows all at c (measured at the width ``W_c`` a batch at c gets). ``h`` comes from a batch
+whose cache fits at full length (the static engine's); ``A_S`` for more slots from rows that
+hold only a short context's pages (``profile.fixed_context_batch(max_context=)``), so the
+model prices slot counts whose full-length cache would not fit. Linear between the measured
+contexts and widths; a chunk of k steps is priced at its rows' mid-chunk contexts
+``c_i + k / 2``.
 """
 
 from __future__ import annotations
@@ -29,7 +33,8 @@ from sparrow_jax.rollout.refill_schedule import simulate_refill
 @dataclasses.dataclass(frozen=True)
 class SlotStepTimes:
     """Measured step times of one slot count. ``widths``/``width_ms`` ``[w]``: ``A`` per table
-    width; ``contexts``/``row_ms`` ``[c]``: ``h`` per context (ascending)."""
+    width; ``contexts``/``row_ms`` ``[c]``: ``h`` per context (ascending), per row whatever
+    the slot count."""
 
     slots: int
     widths: np.ndarray
@@ -52,6 +57,16 @@ class SlotStepTimes:
         base = np.interp([w for _, w, _ in full], widths, width_ms)
         row_ms = (np.array([t for _, _, t in full]) - base) / slots
         return cls(slots, widths, width_ms, contexts, row_ms)
+
+    def with_slots(self, slots: int, short: list[tuple[int, float]]) -> "SlotStepTimes":
+        """These per-row costs with the per-step term ``A`` of ``slots`` slots, from ``short``:
+        (width, step ms) with every one of them at a short context."""
+        if not short:
+            raise ValueError("with_slots needs a short-context point")
+        short = sorted(short)
+        return dataclasses.replace(
+            self, slots=slots, widths=np.array([w for w, _ in short], np.float64),
+            width_ms=np.array([t for _, t in short], np.float64))
 
     def step_ms(self, width: int, contexts) -> float:
         """One step at table ``width`` with running rows at ``contexts``."""

@@ -48,31 +48,32 @@ class ContextTiming:
 def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: int,
                         key: jax.Array, schedule: BudgetSchedule | None = None,
                         schedule_bound: BudgetSchedule | None = None, mesh: Mesh | None = None,
-                        distinct_rows: int | None = None
+                        max_context: int | None = None
                         ) -> tuple[DecodeBatch, object, object, LoopState]:
     """``rows // config.n`` random prompts of ``prompt_len`` tokens planned and started as
     ``generate`` would (``mesh`` as there), the pool then filled with normal random values ->
     (batch, graphdef, params, state).
 
-    ``distinct_rows`` (one device, n = 1): plan and fill only that many rows, then repeat them
-    (page tables included) up to ``rows``: rows past the first ``distinct_rows`` read the
-    same pages as an earlier one. Each step still reads every row's pages from device memory
-    (a layer's pages are far larger than the L2 cache), so a batch whose full-length cache
-    would not fit the device is timed in the memory of ``distinct_rows`` rows."""
+    ``max_context``: each row holds pages for that many tokens only (its response capped at
+    ``max_context - prompt_len``), in a pool of just those pages (``config.num_pages`` and
+    ``max_total_tokens`` ignored); its page table keeps the config's full width, the columns
+    past its pages on the null page, as refill's table is for a short row beside a long one.
+    Many slots can so be timed at a short context in a wide table (``time_context(min_width=)``)
+    whatever their full-length cache would need."""
     if rows < config.n or rows % config.n:
         raise ValueError(f"rows={rows} must be a positive multiple of n={config.n}")
-    if distinct_rows is not None and distinct_rows < rows:
-        if mesh is not None or config.n != 1 or distinct_rows < 1:
-            raise ValueError(f"distinct_rows={distinct_rows}: one device, n = 1, at least 1")
-        batch, graphdef, params, state = fixed_context_batch(
-            model, config, rows=distinct_rows, prompt_len=prompt_len, key=key,
-            schedule=schedule, schedule_bound=schedule_bound)
-        return (*_repeat_rows(batch, graphdef, params, state, rows),)
+    caps = None
+    if max_context is not None:
+        if not prompt_len < max_context <= prompt_len + config.max_new_tokens:
+            raise ValueError(f"max_context={max_context} must lie in (prompt_len={prompt_len}, "
+                             f"prompt_len + max_new_tokens={prompt_len + config.max_new_tokens}]")
+        caps = max_context - prompt_len
+        config = dataclasses.replace(config, num_pages=None, max_total_tokens=None)
     seed = int(jax.random.randint(key, (), 0, 2 ** 31 - 1))
     rng = np.random.default_rng(seed)
     prompts = rng.integers(0, model.config.vocab_size, (rows // config.n, prompt_len)).tolist()
     batch = plan_batch(model, prompts, config, schedule, mesh=mesh,
-                       schedule_bound=schedule_bound)
+                       schedule_bound=schedule_bound, max_new_tokens=caps)
     graphdef, params = model_params(model, mesh)
     state = start_batch(batch, graphdef, params, key)
     c = state.cache
@@ -85,30 +86,6 @@ def fixed_context_batch(model, config: RolloutConfig, *, rows: int, prompt_len: 
     # Committed to the devices they are on, as run_chunk's outputs are: jit keys its cache on
     # that, and an uncommitted start compiled the first timed chunk a second time.
     state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state._replace(cache=cache))
-    return batch, graphdef, params, jax.block_until_ready(state)
-
-
-def _repeat_rows(batch: DecodeBatch, graphdef, params, state: LoopState, rows: int):
-    """The batch's rows repeated cyclically up to ``rows`` (pool and pages shared)."""
-    take = np.arange(rows) % batch.layout.page_table.shape[0]
-    lay = batch.layout
-    layout = lay._replace(
-        prompt_tokens=lay.prompt_tokens[take], prompt_lengths=lay.prompt_lengths[take],
-        prompt_caps=lay.prompt_caps[take], prefill_table=lay.prefill_table[take],
-        page_table=lay.page_table[take], prompt_index=take.astype(np.int32),
-        slots=lay.slots[take], sample_ids=lay.sample_ids[take], live=lay.live[take])
-    batch = dataclasses.replace(batch, layout=layout, num_rows=rows,
-                                stream_ids=batch.stream_ids[take])
-    c = state.cache
-    rows_of = {"partial_sum": 1, "partial_min": 1, "partial_max": 1, "page_table": 0,
-               "lengths": 0}
-    cache = c.replace(**{name: None if getattr(c, name) is None else
-                         jnp.take(getattr(c, name), take, axis=axis)
-                         for name, axis in rows_of.items()})
-    fields = {f: jnp.take(getattr(state, f), take, axis=0) for f in LoopState._fields
-              if f != "cache"}
-    state = LoopState(cache=cache, **fields)
-    state = jax.tree.map(lambda x: jax.device_put(x, x.sharding), state)
     return batch, graphdef, params, jax.block_until_ready(state)
 
 
@@ -178,7 +155,9 @@ def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context
             return decode_chunk(batch, graphdef, params, st, reach=reach)[0]
     steps = config.steps_per_call
     span = steps * repeats
-    limit = int(batch.layout.prompt_lengths.min()) + config.max_new_tokens - 1
+    lay = batch.layout
+    real = lay.prompt_caps > 0                  # placeholders (mesh padding) have no cap
+    limit = int((lay.prompt_lengths + lay.prompt_caps)[real].min()) - 1
     start = max(1, min(context - span // 2, limit - span - 1))
     reach = max(start + span + 1, (min_width or 0) * config.page_size)
     t0 = time.perf_counter()
