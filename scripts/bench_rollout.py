@@ -149,9 +149,10 @@ def _variant_chunk(graphdef, params, state, num_steps, *, settings, variant):
 
 
 def time_contexts(batch, graphdef, params, state, contexts, *, repeats, variant="engine",
-                  label=""):
+                  label="", live=None):
     """Per-step seconds at each context (:func:`sparrow_jax.rollout.profile.time_context`: the
-    engine's own chunk, or a variant of its body) -> (state, rows)."""
+    engine's own chunk, or a variant of its body; ``live``: only that many rows running) ->
+    (state, rows)."""
     def variant_chunk(st, reach):
         del reach   # the variants attend to nothing: any table width
         return _variant_chunk(graphdef, params, st, batch.config.steps_per_call,
@@ -162,13 +163,14 @@ def time_contexts(batch, graphdef, params, state, contexts, *, repeats, variant=
     for ctx in contexts:
         c0 = _compile_seconds[0]
         state, timing = time_context(batch, graphdef, params, state, ctx, repeats=repeats,
-                                     run=run)
+                                     run=run, live=live)
         times = timing.step_seconds
         t = statistics.median(times)
         rows.append(dict(context=ctx, mean_context=timing.mean_context,
                          table_width=timing.table_width, gather_width=timing.gather_width,
                          step_ms=1e3 * t, step_ms_all=[1e3 * x for x in times]))
-        print(f"  {label} {variant} ctx {timing.mean_context:.0f} (table width "
+        print(f"  {label} {variant}{'' if live is None else f' ({live} running)'} ctx "
+              f"{timing.mean_context:.0f} (table width "
               f"{timing.table_width}): {1e3 * t:.3f} ms/step (spread "
               f"{1e3 * (max(times) - min(times)):.3f}; first chunk "
               f"{timing.first_chunk_seconds:.1f} s, compile {_compile_seconds[0] - c0:.1f} s)",
@@ -479,8 +481,8 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
     runs' chunks replayed on the host (``simulate_refill``, ``static_chunks``; rows run to
     their caps, as in ``--phase refill``) and priced with fixed-context step times measured
     here (``sparrow_jax.rollout.chunk_time``): the static batch at a short context at every
-    table width its chunks use and at ``--contexts`` (its per-step term and each row's cost),
-    the refill slots at a short context at every width refill's chunks use (their per-step
+    table width its chunks use and at ``--contexts``, all rows running and one (its per-step
+    term, the longest row's cost and each further row's), the refill slots at a short context at every width refill's chunks use (their per-step
     term). ``--refill-json``: a ``--phase refill`` run of the same arguments, whose measured
     seconds the predictions are checked against."""
     del ceiling, wbytes
@@ -523,10 +525,15 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
         state, short = short_points(batch, graphdef, params, state, runs["static"])
         state, rows = time_contexts(batch, graphdef, params, state, contexts,
                                     repeats=args.repeats, label=f"{mode} static")
+        state, lone = time_contexts(batch, graphdef, params, state, contexts,
+                                    repeats=args.repeats, label=f"{mode} static", live=1)
         batch = state = None                 # the pool freed before the next is built
-        times = {"static": SlotStepTimes.from_points(
-            args.batch, short, [(r["mean_context"], r["table_width"], r["step_ms"])
-                                for r in rows])}
+
+        def points(rows):
+            return [(r["mean_context"], r["table_width"], r["step_ms"]) for r in rows]
+
+        times = {"static": SlotStepTimes.from_points(args.batch, short, points(rows),
+                                                     lone=points(lone))}
         # The slots hold a short context's pages only (time_context's span past the start).
         batch, graphdef, params, state = fixed_context_batch(
             model, rc, rows=slots, prompt_len=args.prompt_len, key=key, schedule=sched,
@@ -534,7 +541,7 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
         _, slot_short = short_points(batch, graphdef, params, state, runs["refill"])
         batch = state = None
         times["refill"] = times["static"].with_slots(slots, slot_short)
-        entry["per_row"] = rows
+        entry["per_row"], entry["lone_row"] = rows, lone
         for run, chunks in runs.items():
             seconds = predict_seconds(chunks, times[run])
             entry[run] = dict(slots=times[run].slots,

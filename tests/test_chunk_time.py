@@ -28,6 +28,21 @@ def test_step_model_by_hand():
         times.with_slots(5, [])
 
 
+def test_lone_row_by_hand():
+    # The example above with one row running alone: 2.5 ms at 10 tokens (it adds 1.5, the
+    # second row (3 - 2.5) = 0.5), 4 ms at 20 (adds 2, the second 6 - 4 = 2).
+    times = SlotStepTimes.from_points(2, [(8, 2.0), (4, 1.0)], [(20, 8, 6.0), (10, 4, 3.0)],
+                                      lone=[(10, 4, 2.5), (20, 8, 4.0)])
+    np.testing.assert_allclose(times.lone_ms, [1.5, 2.0])
+    np.testing.assert_allclose(times.row_ms, [0.5, 2.0])
+    # Width 6 (A = 1.5): the longer row (15) alone adds g(15) = 1.75, the other h(10) = 0.5.
+    assert times.step_ms(6, [10, 15]) == pytest.approx(1.5 + 1.75 + 0.5)
+    assert times.step_ms(6, []) == pytest.approx(1.5)
+    with pytest.raises(ValueError, match="contexts and widths of full"):
+        SlotStepTimes.from_points(2, [(4, 1.0)], [(20, 8, 6.0), (10, 4, 3.0)],
+                                  lone=[(10, 4, 2.5)])
+
+
 def test_static_chunks_by_hand():
     # Prompts of 5 and 3 tokens, caps 4 and 9, one batch, 3 steps a call, pages of 4. After
     # the prefill each row has sampled 1 token: row 0 needs 3 more, row 1 8 more.

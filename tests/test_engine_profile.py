@@ -123,6 +123,11 @@ def test_short_rows_in_a_wide_table():
     np.testing.assert_array_equal(np.asarray(wide.tokens), np.asarray(state.tokens))
     np.testing.assert_allclose(np.asarray(wide.logprobs), np.asarray(state.logprobs), rtol=1e-6)
     assert len({tuple(r) for r in np.asarray(state.tokens)[:, 6:11]}) > 1   # rows differ
+    # One row running, the others finished where they stand: only the first advances.
+    state, t4 = time_context(batch, graphdef, params, state, 9, repeats=1, live=1)
+    lengths, finish = np.asarray(state.cache.lengths), np.asarray(state.finish)
+    assert t4.mean_context == 8 and lengths[0] == 10 and (lengths[1:] == 6).all()
+    assert finish[0] == -1 and (finish[1:] == 2).all()
     # Asked past its pages: the same clamp.
     _, t3 = time_context(batch, graphdef, params, state, 40, repeats=1)
     assert t3.mean_context == 8

@@ -3,21 +3,23 @@ section 11): a refill run's chunks from :func:`~sparrow_jax.rollout.refill_sched
 simulate_refill`, the static engine's from :func:`static_chunks`, timed at contexts and table
 widths a device can hold (``scripts/bench_rollout.py --phase refill-model``).
 
-Model, for a decode step of S slots at table width W whose running rows hold c_1 .. c_m
-tokens::
+Model, for a decode step of S slots at table width W whose running rows hold c_1 >= c_2 >=
+.. >= c_m tokens::
 
-    t = A_S(W) + sum_i h(c_i)
+    t = A_S(W) + g(c_1) + sum_{i > 1} h(c_i)
 
 ``A_S(W)``: the step with every slot at a short context in a W-wide table (the weights, the
 LM head and sampling of every slot, idle ones included, and what the kernels spend on the
-table's width: the sparse selection holds each row's whole table). ``h(c) = (T_b(c) -
-A_b(W_c)) / b``: what one row at context c adds, from ``T_b(c)``, the step with a batch of b
-rows all at c (measured at the width ``W_c`` a batch at c gets). ``h`` comes from a batch
-whose cache fits at full length (the static engine's); ``A_S`` for more slots from rows that
-hold only a short context's pages (``profile.fixed_context_batch(max_context=)``), so the
-model prices slot counts whose full-length cache would not fit. Linear between the measured
-contexts and widths; a chunk of k steps is priced at its rows' mid-chunk contexts
-``c_i + k / 2``.
+table's width: the sparse selection holds each row's whole table). ``g(c) = T_1(c) - A_b(W_c)``:
+what the longest row adds on its own, from ``T_1(c)``, a batch of b rows of which one runs at
+c (the others finished): alone, a row's attention runs at its kernels' latency, not at a
+share of the bandwidth. ``h(c) = (T_b(c) - T_1(c)) / (b - 1)``: what each further row at c
+adds, ``T_b(c)`` the step with all b rows at c. ``T`` is measured at the width ``W_c`` a batch
+at c gets, on a batch whose cache fits at full length (the static engine's); ``A_S`` for more
+slots from rows that hold only a short context's pages (``profile.fixed_context_batch(
+max_context=)``), so the model prices slot counts whose full-length cache would not fit.
+Linear between the measured contexts and widths; a chunk of k steps is priced at its rows'
+mid-chunk contexts ``c_i + k / 2``. Without ``T_1``, ``g = h = (T_b - A_b) / b``.
 """
 
 from __future__ import annotations
@@ -33,20 +35,23 @@ from sparrow_jax.rollout.refill_schedule import simulate_refill
 @dataclasses.dataclass(frozen=True)
 class SlotStepTimes:
     """Measured step times of one slot count. ``widths``/``width_ms`` ``[w]``: ``A`` per table
-    width; ``contexts``/``row_ms`` ``[c]``: ``h`` per context (ascending), per row whatever
-    the slot count."""
+    width; ``contexts`` ``[c]`` (ascending), ``lone_ms``/``row_ms`` ``[c]``: ``g`` and ``h``
+    there, per row whatever the slot count."""
 
     slots: int
     widths: np.ndarray
     width_ms: np.ndarray
     contexts: np.ndarray
     row_ms: np.ndarray
+    lone_ms: np.ndarray
 
     @classmethod
     def from_points(cls, slots: int, short: list[tuple[int, float]],
-                    full: list[tuple[int, int, float]]) -> "SlotStepTimes":
+                    full: list[tuple[int, int, float]],
+                    lone: list[tuple[int, int, float]] | None = None) -> "SlotStepTimes":
         """``short``: (width, step ms) with every slot at a short context; ``full``: (context,
-        width, step ms) with every slot at that context."""
+        width, step ms) with every slot at that context; ``lone``: the same with one row
+        running (at least two contexts, those of ``full``)."""
         if not short or len(full) < 2:
             raise ValueError("SlotStepTimes needs a short-context point and two contexts")
         short = sorted(short)
@@ -55,8 +60,16 @@ class SlotStepTimes:
         full = sorted(full)
         contexts = np.array([c for c, _, _ in full], np.float64)
         base = np.interp([w for _, w, _ in full], widths, width_ms)
-        row_ms = (np.array([t for _, _, t in full]) - base) / slots
-        return cls(slots, widths, width_ms, contexts, row_ms)
+        total = np.array([t for _, _, t in full])
+        if lone is None:
+            row_ms = lone_ms = (total - base) / slots
+        else:
+            lone = sorted(lone)
+            if [(c, w) for c, w, _ in lone] != [(c, w) for c, w, _ in full] or slots < 2:
+                raise ValueError("lone needs the contexts and widths of full, and 2+ slots")
+            one = np.array([t for _, _, t in lone])
+            lone_ms, row_ms = one - base, (total - one) / (slots - 1)
+        return cls(slots, widths, width_ms, contexts, row_ms, lone_ms)
 
     def with_slots(self, slots: int, short: list[tuple[int, float]]) -> "SlotStepTimes":
         """These per-row costs with the per-step term ``A`` of ``slots`` slots, from ``short``:
@@ -70,8 +83,12 @@ class SlotStepTimes:
 
     def step_ms(self, width: int, contexts) -> float:
         """One step at table ``width`` with running rows at ``contexts``."""
-        rows = np.interp(np.asarray(contexts, np.float64), self.contexts, self.row_ms)
-        return float(np.interp(width, self.widths, self.width_ms) + rows.sum())
+        ctx = np.sort(np.asarray(contexts, np.float64))
+        t = float(np.interp(width, self.widths, self.width_ms))
+        if ctx.size:
+            t += float(np.interp(ctx[-1], self.contexts, self.lone_ms)
+                       + np.interp(ctx[:-1], self.contexts, self.row_ms).sum())
+        return t
 
 
 def predict_seconds(chunks: list[dict], times: SlotStepTimes) -> float:

@@ -26,6 +26,7 @@ import numpy as np
 from jax.sharding import Mesh
 
 from sparrow_jax.rollout.decode_loop import UNFINISHED, LoopState, table_width
+from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.rollout.engine import (DecodeBatch, RolloutConfig, decode_chunk, model_params,
                                         plan_batch, start_batch)
 from sparrow_jax.schedule import BudgetSchedule
@@ -116,9 +117,10 @@ def _mix(h: jax.Array) -> jax.Array:
     return h ^ (h >> 16)
 
 
-def at_context(state: LoopState, length: int) -> LoopState:
-    """Every row running with ``length`` tokens in its cache (prompt + response - 1, as in the
-    loop); every array's sharding kept.
+def at_context(state: LoopState, length: int, live: int | None = None) -> LoopState:
+    """Every row with ``length`` tokens in its cache (prompt + response - 1, as in the loop),
+    running, or only the first ``live`` rows (the others finished, as rows that ended beside
+    a long one); every array's sharding kept.
 
     Only the three [S] arrays are new (built on the host, put in the old ones' shardings); the
     pool and the rest are the same arrays. A jitted version returned copies of every array it
@@ -132,23 +134,28 @@ def at_context(state: LoopState, length: int) -> LoopState:
                               like.sharding)
 
     prompt = np.asarray(state.prompt_lengths)
+    finish = np.full(state.finish.shape, UNFINISHED, np.int32)
+    if live is not None:
+        finish[live:] = FinishReason.LENGTH
     return state._replace(
         cache=state.cache.replace(lengths=full(state.cache.lengths, length)),
         response_lengths=full(state.response_lengths, length - prompt + 1),
-        finish=full(state.finish, UNFINISHED))
+        finish=full(state.finish, finish))
 
 
 def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context: int, *,
                  repeats: int = 2,
                  run: Callable[[LoopState, int], LoopState] | None = None,
-                 min_width: int | None = None) -> tuple[LoopState, ContextTiming]:
+                 min_width: int | None = None,
+                 live: int | None = None) -> tuple[LoopState, ContextTiming]:
     """``repeats`` timed chunks of ``steps_per_call`` chained steps, after one untimed chunk,
     from a start placed so that their mean context is ``context`` (clamped so that no row
     reaches the response capacity), each chunk at the page-table width ``generate`` would give
     it, or at least ``min_width`` pages wide (a short context in a wide table, as refill's
     short rows run beside a long one). ``run(state, reach) -> state``: the chunk to time
-    (default the engine's :func:`~sparrow_jax.rollout.engine.decode_chunk`). Raises
-    RuntimeError if a row stopped."""
+    (default the engine's :func:`~sparrow_jax.rollout.engine.decode_chunk`). ``live``: only
+    the first rows run, the others finished at the start (``at_context``). Raises
+    RuntimeError if a running row stopped."""
     config = batch.config
     if run is None:
         def run(st, reach):
@@ -161,16 +168,16 @@ def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context
     start = max(1, min(context - span // 2, limit - span - 1))
     reach = max(start + span + 1, (min_width or 0) * config.page_size)
     t0 = time.perf_counter()
-    state = jax.block_until_ready(run(at_context(state, start), reach))
+    state = jax.block_until_ready(run(at_context(state, start, live), reach))
     first = time.perf_counter() - t0
-    state = at_context(state, start)
+    state = at_context(state, start, live)
     times = []
     for _ in range(repeats):
         t0 = time.perf_counter()
         state = jax.block_until_ready(run(state, reach))
         times.append((time.perf_counter() - t0) / steps)
-    lengths = np.asarray(state.cache.lengths)
-    if not bool(jnp.all(state.active)) or (lengths != start + span).any():
+    lengths = np.asarray(state.cache.lengths)[:live]
+    if not bool(jnp.all(state.active[:live])) or (lengths != start + span).any():
         raise RuntimeError(f"at context {context}: rows stopped (lengths {lengths.min()}.."
                            f"{lengths.max()}, expected {start + span})")
     w = table_width(reach, config.page_size, batch.width, config.table_bucket_pages)
