@@ -447,6 +447,8 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
             ctx = info["contexts"]
             trace.append(dict(width=info["width"], steps=info["steps"], rows=len(ctx),
                               context_sum=int(ctx.sum()), context_max=int(ctx.max()),
+                              contexts=sorted(ctx.tolist()), prefills=info["prefills"],
+                              chunk_seconds=info["chunk_seconds"],
                               seconds=now - clock[0] - (comp - clock[1])))
             clock[:] = now, comp
 

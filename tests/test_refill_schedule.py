@@ -44,6 +44,8 @@ def test_simulated_chunks_are_the_real_ones(model, slots, pool, prefill_rows, bu
                                      page_seed=3)
     assert sim_stats == stats
     assert len(sim) == len(real) == stats.chunks
+    assert sum(r["prefills"] for r in real) == stats.prefills
+    assert all(r["chunk_seconds"] > 0 for r in real)
     for i, (s, r) in enumerate(zip(sim, real)):
         assert (s["width"], s["steps"]) == (r["width"], r["steps"]), i
         np.testing.assert_array_equal(s["contexts"], r["contexts"], err_msg=str(i))

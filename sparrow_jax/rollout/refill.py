@@ -30,6 +30,7 @@ Typical use::
 from __future__ import annotations
 
 import functools
+import time
 import warnings
 from typing import Callable, Sequence
 
@@ -95,7 +96,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     given, is called after each chunk (its results on the host) with ``width`` (page-table
     columns), ``steps`` (decode steps it ran) and ``contexts`` (``[rows]``: the cached tokens
     of the rows it decoded, at its start): what a step-time model needs
-    (``scripts/bench_rollout.py --phase refill``)."""
+    (``scripts/bench_rollout.py --phase refill``); and with ``prefills`` (admission calls
+    before it) and ``chunk_seconds`` (from its dispatch to its results on the host: the rest
+    of a chunk's time is the host's and the admissions')."""
     cfg = model.config
     prompts = [list(p) for p in prompts]
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -162,9 +165,12 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
             finish = np.array(state.finish)
             finish[preempted] = int(FinishReason.LENGTH)
             state = state._replace(finish=_put_rows(finish, mesh))
+        prefills = 0
         while (adm := sched.admit()) is not None:
             state = _admit_pending(state, adm, graphdef, params, tokens, ids, key, settings, r)
+            prefills += 1
         w, contexts = sched.next_width()
+        t0 = time.perf_counter()
         state = state._replace(cache=state.cache.replace(
             page_table=_put_rows(sched.table[:, :w], mesh)))
         with warnings.catch_warnings():
@@ -172,10 +178,12 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
             state, _ = run_chunk(graphdef, params, state, values, c,
                                  settings=settings.for_width(bound, w))
         finish, cache_lengths = np.asarray(state.finish), np.asarray(state.cache.lengths)
+        chunk_seconds = time.perf_counter() - t0
         dst = sched.harvest(finish != UNFINISHED, cache_lengths)
         if on_chunk is not None:
             on_chunk(dict(width=w, contexts=np.fromiter(contexts.values(), np.int64),
-                          steps=int(max(cache_lengths[s] - b for s, b in contexts.items()))))
+                          steps=int(max(cache_lengths[s] - b for s, b in contexts.items())),
+                          prefills=prefills, chunk_seconds=chunk_seconds))
         if (dst < sched.result_rows).any():
             out = _collect(out, state, _put_rows(dst, mesh), mesh=mesh)
 
