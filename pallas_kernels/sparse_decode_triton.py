@@ -13,6 +13,10 @@ same plan in Triton's interpreter):
    bf16 inputs with float32 accumulation;
 3. the S partial results merged in XLA (:func:`pallas_kernels.sparse_decode_gpu.merge_splits`).
 
+With ``persistent``, 1 and 2 are one launch of a persistent grid
+(:func:`~pallas_kernels.triton_decode_kernels.decode_kernel`): a row's selection runs beside
+other rows' scoring and attention instead of between two launches.
+
 jax-triton and triton are imported only when these kernels run: a missing package gives one
 line saying what to install.
 """
@@ -27,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sparse_decode_gpu import (_pow2, check_launch_settings, checked_centroids,
-                                              default_splits, merge_splits)
+                                              default_splits, merge_splits, sm_count)
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "
            "'sparrow-jax[triton]' (on a machine with an NVIDIA GPU)")
@@ -47,6 +51,10 @@ class TritonDecodeTuning:
     score_warps, select_warps, attend_warps: Triton warps of each kernel (the fused kernel
       takes select_warps).
     attend_stages: Triton's pipelining depth of the attention loop.
+    persistent: the whole step in one launch of ``programs`` programs that take scoring,
+      selection and attention tasks in turn (the warps of ``attend_warps``).
+    programs: the persistent grid (None: 2 a streaming multiprocessor, which any setting
+      here lets reside at once, as the kernel needs).
     """
     block_pages: int = 4
     splits: int | None = None
@@ -57,17 +65,21 @@ class TritonDecodeTuning:
     select_warps: int = 8
     attend_warps: int = 4
     attend_stages: int = 2
+    persistent: bool = False
+    programs: int | None = None
 
     def __post_init__(self):
         if self.block_pages is None:
             raise ValueError("block_pages must be a power of two, got None")
         check_launch_settings(self)
+        if self.programs is not None and self.programs < 1:
+            raise ValueError(f"programs must be >= 1, got {self.programs}")
 
 
 class Launch(NamedTuple):
     """One kernel launch: the kernel's name in :mod:`pallas_kernels.triton_decode_kernels`,
     its grid, the buffers it reads (by name), those it writes (name, shape, dtype), its
-    compile-time constants and Triton settings."""
+    compile-time constants and Triton settings, and the outputs it needs zeroed."""
     kernel: str
     grid: tuple[int, ...]
     inputs: tuple[str, ...]
@@ -75,6 +87,7 @@ class Launch(NamedTuple):
     constants: tuple[tuple[str, object], ...]
     num_warps: int
     num_stages: int
+    zeroed: tuple[str, ...] = ()
 
 
 def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_width,
@@ -93,6 +106,20 @@ def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_wi
     select = dict(M=m, MPAD=max(_pow2(m), 16), MAXP=max_pages, HISTOGRAM=tuning.histogram)
     lists = (("keys", (rows, m), "uint32"), ("phys", (rows, max_pages), "int32"),
              ("slots", (rows, max_pages), "int32"), ("count", (rows,), "int32"))
+    partials = (("o", (batch, kv_heads, splits, rpad, head_dim), "float32"),
+                ("m", (batch, kv_heads, splits, rpad), "float32"),
+                ("l", (batch, kv_heads, splits, rpad), "float32"))
+    attending = {**common, "MAXP": max_pages, "BP": tuning.block_pages, "S": splits,
+                 "SCALE": head_dim ** -0.5,
+                 "IEEE": bool(jnp.dtype(compute_dtype) == jnp.float32)}
+    if tuning.persistent:
+        programs = tuning.programs or 2 * sm_count()
+        return (Launch(
+            "decode_kernel", (programs,),
+            ("q", "centroids", "table", "lengths", "budgets", "k", "v"),
+            (*lists, ("done", (2 * rows,), "int32"), *partials),
+            tuple({**attending, **select, "C": c, "ROWS": rows, "PROGRAMS": programs}.items()),
+            tuning.attend_warps, tuning.attend_stages, zeroed=("done",)),)
     if tuning.fuse_score_select:
         selecting = (Launch(
             "score_select_kernel", (rows,), ("q", "centroids", "table", "lengths", "budgets"),
@@ -106,13 +133,7 @@ def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_wi
                    tuning.select_warps, 1))
     attend = Launch(
         "attend_kernel", (rows, splits), ("q", "k", "v", "phys", "slots", "count", "lengths"),
-        (("o", (batch, kv_heads, splits, rpad, head_dim), "float32"),
-         ("m", (batch, kv_heads, splits, rpad), "float32"),
-         ("l", (batch, kv_heads, splits, rpad), "float32")),
-        tuple({**common, "MAXP": max_pages, "BP": tuning.block_pages, "S": splits,
-               "SCALE": head_dim ** -0.5,
-               "IEEE": bool(jnp.dtype(compute_dtype) == jnp.float32)}.items()),
-        tuning.attend_warps, tuning.attend_stages)
+        partials, tuple(attending.items()), tuning.attend_warps, tuning.attend_stages)
     return (*selecting, attend)
 
 
@@ -183,10 +204,12 @@ def run_launches(launches, buffers: dict) -> dict:
     kernels, jt = kernels_module()
     buf = dict(buffers)
     for launch in launches:
+        names = [name for name, _, _ in launch.outputs]
         outs = jt.triton_call(
             *(buf[name] for name in launch.inputs), kernel=getattr(kernels, launch.kernel),
             out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in launch.outputs],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
+            zeroed_outputs=[names.index(name) for name in launch.zeroed],
             name=f"sparse_decode_{launch.kernel}", **dict(launch.constants))
         buf.update(zip((name for name, _, _ in launch.outputs), outs))
     return buf

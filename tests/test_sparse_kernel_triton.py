@@ -146,6 +146,10 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, tuning=TritonDecodeTuning(
     buf, out = run(q, k, v, cent, table, lengths, budgets, tuning=tuning)
     want, pages = reference(q, k, v, cent, table, lengths, budgets)
     assert lists(buf) == pages
+    if tuning.persistent:      # every row: each chunk scored once, then selected once
+        done, rows = np.asarray(buf["done"]), len(pages)
+        assert (done[:rows] == -(-table.shape[1] // tuning.score_chunk)).all()
+        assert (done[rows:] == 1).all()
     assert out.shape == q.shape and out.dtype == q.dtype
     assert_kernel_close(as64(out), want, low_precision=dtype == jnp.bfloat16)
     if ON_GPU:
@@ -178,10 +182,15 @@ def test_matches_float64_reference(r, d, dtype):
     TritonDecodeTuning(fuse_score_select=True, histogram=False, block_pages=2, splits=5,
                        score_chunk=16),
     TritonDecodeTuning(fuse_score_select=True, block_pages=8, splits=1, score_chunk=128),
-    TritonDecodeTuning(histogram=False, splits=3, score_chunk=32)])
+    TritonDecodeTuning(histogram=False, splits=3, score_chunk=32),
+    # The interpreter runs programs one after another: one program takes every task there.
+    TritonDecodeTuning(persistent=True, programs=None if ON_GPU else 1, splits=2,
+                       score_chunk=16),
+    TritonDecodeTuning(persistent=True, programs=3 if ON_GPU else 1, histogram=False,
+                       block_pages=2, splits=5)])
 def test_settings_do_not_change_the_result(tuning):
-    """Fused scoring + selection, both threshold searches, block sizes, splits (also ones that
-    leave some empty) and scoring chunks are tuning only."""
+    """Fused scoring + selection, one persistent launch, both threshold searches, block sizes,
+    splits (also ones that leave some empty) and scoring chunks are tuning only."""
     rng = np.random.default_rng(7)
     check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
           dtype=jnp.float32, tuning=tuning)
@@ -189,7 +198,9 @@ def test_settings_do_not_change_the_result(tuning):
 
 @kernels_run
 @pytest.mark.parametrize("tuning", [TritonDecodeTuning(),
-                                    TritonDecodeTuning(fuse_score_select=True, histogram=False)])
+                                    TritonDecodeTuning(fuse_score_select=True, histogram=False),
+                                    TritonDecodeTuning(persistent=True,
+                                                       programs=None if ON_GPU else 1)])
 def test_ties_and_signs_order_as_the_reference(tuning):
     """Scores with many exact ties and both zeros (-0.0 equal to 0.0): every budget from the
     minimum to all pages picks the reference's pages (ties to the lower page index)."""
@@ -230,7 +241,8 @@ def test_zero_length_row_gives_zeros():
                                           (dict(splits=0), "splits"),
                                           (dict(score_chunk=8), "score_chunk"),
                                           (dict(select_warps=3), "select_warps"),
-                                          (dict(attend_stages=0), "attend_stages")])
+                                          (dict(attend_stages=0), "attend_stages"),
+                                          (dict(programs=0), "programs")])
 def test_bad_tuning_is_named(change, match):
     with pytest.raises(ValueError, match=match):
         TritonDecodeTuning(**change)
