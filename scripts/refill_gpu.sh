@@ -12,7 +12,9 @@
 # $IN (default $OUT). The 8K runs use 160 prompts of 32 tokens with caps from the log-normal
 # mix, static batches of 32 (the pool they need at full length), refill with 64 slots in the
 # same pool. (With 96 prompts the last row at the cap bounds refill at 8192 steps against
-# the static engine's 3 x 8192: 1.70x measured, sparse, 2026-11-25.) CUDA graphs on (XLA's default; GRAPHS=0 turns them off): without them a step
+# the static engine's 3 x 8192: 1.70x measured, sparse, 2026-11-25.) The 32K model prices
+# 152 prompts (19 x 8 samples, 8 static batches of 19, the most whose 32K cache fits) on 48
+# refill slots in the same pool. CUDA graphs on (XLA's default; GRAPHS=0 turns them off): without them a step
 # launches each of its kernels from the host, which at a few ms a step is most of the step
 # and varies from chunk to chunk (measured: BENCHMARKS.md, continuous refill).
 set -euo pipefail
@@ -30,7 +32,7 @@ export XLA_PYTHON_CLIENT_MEM_FRACTION=$frac
 [ "${GRAPHS:-1}" = 1 ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
 mix8k=(--max-new 8192 --batch 32 --rows 160 --slots 64 --prefill-rows 16 --length-mix lognormal)
 model=(--repeats 4)
-mix32k=(--max-new 32768 --batch 19 --rows 57 --slots 48 --prefill-rows 16 --length-mix lognormal
+mix32k=(--max-new 32768 --batch 19 --rows 152 --slots 48 --prefill-rows 16 --length-mix lognormal
   --contexts 128 2048 4096 8192 12288 16384 24576 32768)
 extra=("$@")
 rollout() { python3 scripts/bench_rollout.py "$@" "${extra[@]}"; }
