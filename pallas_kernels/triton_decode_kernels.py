@@ -202,7 +202,9 @@ def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
     """Split ``s`` of row ``row``'s page list attended (:func:`attend_kernel`)."""
     b = row // HKV
     h = row % HKV
-    count = tl.load(count_ptr + row)
+    # The page lists may come from another program of the same launch (decode_kernel):
+    # read them from L2 (.cg), where its published stores are, never from a stale L1 line.
+    count = tl.load(count_ptr + row, cache_modifier=".cg")
     length = tl.load(len_ptr + b)
     blocks = tl.cdiv(count, BP)
     per_split = tl.cdiv(blocks, S)
@@ -221,8 +223,10 @@ def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
     for i in tl.range(start, stop):
         entry = i * BP + t // P                    # each token's list entry
         listed = entry < count
-        phys = tl.load(phys_ptr + row * MAXP + entry, mask=listed, other=0).to(tl.int64)
-        slot = tl.load(slot_ptr + row * MAXP + entry, mask=listed, other=0)
+        phys = tl.load(phys_ptr + row * MAXP + entry, mask=listed, other=0,
+                       cache_modifier=".cg").to(tl.int64)
+        slot = tl.load(slot_ptr + row * MAXP + entry, mask=listed, other=0,
+                       cache_modifier=".cg")
         off = head + (phys * P + tok)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + off, mask=listed[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + off, mask=listed[:, None], other=0.0).to(q.dtype)
@@ -272,7 +276,9 @@ def decode_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, budget_ptr, k_ptr, v_ptr,
     pid = tl.program_id(0)
     chunks: tl.constexpr = (M + C - 1) // C
     scoring: tl.constexpr = ROWS * chunks
-    for task in tl.range(pid, scoring + ROWS * S, PROGRAMS):
+    # No software pipelining across tasks: a load of the next task hoisted above this one's
+    # wait would read page lists before their flag.
+    for task in tl.range(pid, scoring + ROWS * S, PROGRAMS, num_stages=1):
         if task < scoring:
             row = task // chunks
             b = row // HKV
@@ -285,7 +291,8 @@ def decode_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, budget_ptr, k_ptr, v_ptr,
             tl.debug_barrier()
             if tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == chunks - 1:
                 idx = tl.arange(0, MPAD)
-                u = tl.load(key_ptr + row * M + idx, mask=idx < M, other=0)
+                u = tl.load(key_ptr + row * M + idx, mask=idx < M, other=0,
+                            cache_modifier=".cg")
                 _select_row(u, table_ptr, phys_ptr, slot_ptr, count_ptr, row, b, n,
                             tl.load(budget_ptr + b), M, MPAD, MAXP, HISTOGRAM)
                 tl.debug_barrier()

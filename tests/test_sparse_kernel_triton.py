@@ -271,3 +271,64 @@ def test_dispatch_runs_the_triton_kernels():
     got = step(q, k, v, table, lengths, budgets, impl="triton")
     want = step(q, k, v, table, lengths, budgets, impl="reference")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=0, atol=1e-5)
+
+
+_COMPILE = r"""
+import json, os, re, subprocess, sys, tempfile
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+from pallas_kernels import triton_decode_kernels as kernels
+from pallas_kernels.sparse_decode_triton import TritonDecodeTuning, plan
+
+TYPES = dict(bfloat16="bf16", float32="fp32", int32="i32", uint32="u32")
+DTYPES = dict(q="bfloat16", k="bfloat16", v="bfloat16", centroids="bfloat16", table="int32",
+              lengths="int32", budgets="int32", keys="uint32", phys="int32", slots="int32",
+              count="int32")
+ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
+out = {}
+for tuning in (TritonDecodeTuning(), TritonDecodeTuning(persistent=True, programs=264)):
+    # Issue 5's shape: batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128.
+    for launch in plan(batch=32, q_heads=32, kv_heads=8, head_dim=128, pages_total=65600,
+                       page_size=16, table_width=2049, max_pages=128, compute_dtype="bfloat16",
+                       tuning=tuning):
+        fn = getattr(kernels, launch.kernel)
+        args = [(n, DTYPES[n]) for n in launch.inputs] + [(n, d) for n, _, d in launch.outputs]
+        consts = dict(launch.constants)
+        sig = {p: "*" + TYPES[d] for p, (_, d) in zip(fn.arg_names, args)}
+        sig.update({k: "constexpr" for k in consts})
+        src = ASTSource(fn=fn, signature=sig,
+                        constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
+        k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                           options=dict(num_warps=launch.num_warps,
+                                        num_stages=launch.num_stages))
+        with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
+            f.write(k.asm["ptx"])
+        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
+                              capture_output=True, text=True, check=True).stderr
+        regs = int(re.search(r"Used (\d+) registers", info).group(1))
+        out[launch.kernel] = dict(regs=regs, shared=k.metadata.shared, warps=launch.num_warps)
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                    reason="needs the triton package (its compiler and ptxas; no GPU needed)")
+def test_kernels_compile_for_hopper_and_persistent_programs_fit():
+    """Every launch compiles for sm_90 at issue 5's shape (no GPU needed: Triton's compiler
+    and its bundled ptxas), and the persistent kernel's default grid, 2 programs a streaming
+    multiprocessor, fits an H100 SM at once (65536 registers, 227 KB of shared memory), as
+    its flags need: a program waiting for a row holds its place until another raises it."""
+    import json
+    import subprocess
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
+                         text=True, timeout=600)
+    assert res.returncode == 0, res.stderr[-3000:]
+    got = json.loads(res.stdout.strip().splitlines()[-1])
+    assert set(got) == {"score_kernel", "select_kernel", "attend_kernel", "decode_kernel"}
+    k = got["decode_kernel"]
+    per_warp = -(-k["regs"] * 32 // 256) * 256          # registers are allocated by warp
+    assert 2 * per_warp * k["warps"] <= 65536 and 2 * k["shared"] <= 227 * 1024, k
