@@ -7,8 +7,8 @@
    head_dim 128, bf16, batches 1, 8, 32, 64: the Triton variants of ``--triton``, the Pallas
    kernel and the dense baselines (XLA on a contiguous cache, JAX's Pallas paged attention),
    bench_decode's timing (warm-up, chained calls, median of repeats, block_until_ready) and
-   read ceiling, each output checked against the XLA reference; the Triton breakdown at
-   batch 32.
+   read ceiling, each output checked against the XLA reference; the breakdown (each part
+   alone) at batches 1 and 32.
 
 Each part runs in its own process with its own time limit inside one overall deadline, so a
 crash (an illegal memory access poisons a process) or a hang costs only that part. Output: the
@@ -106,7 +106,8 @@ def main(argv=None):
         if budget < 20:
             parts.append(dict(name=f"bench_b{b}", rc="skipped: no time left"))
             continue
-        extra = ["--breakdown"] if b == 32 else []
+        # The parts alone: at 32 what the bandwidth leaves, at 1 the latency bound.
+        extra = ["--breakdown"] if b in (1, 32) else []
         parts.append(run_part(f"bench_b{b}", [sys.executable, "scripts/bench_decode.py",
                                               "--batches", str(b), *bench, *extra, "--out",
                                               str(out / f"bench_b{b}.json")],
