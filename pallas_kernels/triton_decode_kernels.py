@@ -190,7 +190,7 @@ def attend_kernel(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
     computed pointers -> unnormalised output ``[RPAD, D]``, running max and sum ``[RPAD]``."""
     _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o_ptr, m_ptr,
                   l_ptr, tl.program_id(0), tl.program_id(1), HKV, HQ, R, RPAD, D, P, N, MAXP,
-                  BP, S, SCALE, IEEE)
+                  BP, S, SCALE, IEEE, "")
 
 
 @triton.jit
@@ -198,13 +198,13 @@ def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
                   l_ptr, row, s, HKV: tl.constexpr, HQ: tl.constexpr, R: tl.constexpr,
                   RPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
                   MAXP: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr,
-                  IEEE: tl.constexpr):
-    """Split ``s`` of row ``row``'s page list attended (:func:`attend_kernel`)."""
+                  IEEE: tl.constexpr, LISTS: tl.constexpr):
+    """Split ``s`` of row ``row``'s page list attended (:func:`attend_kernel`); ``LISTS``: the
+    cache modifier of the page-list loads (".cg" where another program of the same launch
+    wrote them: from L2, where its published stores are, never from a stale L1 line)."""
     b = row // HKV
     h = row % HKV
-    # The page lists may come from another program of the same launch (decode_kernel):
-    # read them from L2 (.cg), where its published stores are, never from a stale L1 line.
-    count = tl.load(count_ptr + row, cache_modifier=".cg")
+    count = tl.load(count_ptr + row, cache_modifier=LISTS)
     length = tl.load(len_ptr + b)
     blocks = tl.cdiv(count, BP)
     per_split = tl.cdiv(blocks, S)
@@ -224,9 +224,9 @@ def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
         entry = i * BP + t // P                    # each token's list entry
         listed = entry < count
         phys = tl.load(phys_ptr + row * MAXP + entry, mask=listed, other=0,
-                       cache_modifier=".cg").to(tl.int64)
+                       cache_modifier=LISTS).to(tl.int64)
         slot = tl.load(slot_ptr + row * MAXP + entry, mask=listed, other=0,
-                       cache_modifier=".cg")
+                       cache_modifier=LISTS)
         off = head + (phys * P + tok)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + off, mask=listed[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + off, mask=listed[:, None], other=0.0).to(q.dtype)
@@ -303,4 +303,4 @@ def decode_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, budget_ptr, k_ptr, v_ptr,
                 pass
             _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o_ptr,
                           m_ptr, l_ptr, row, (task - scoring) % S, HKV, HQ, R, RPAD, D, P, N,
-                          MAXP, BP, S, SCALE, IEEE)
+                          MAXP, BP, S, SCALE, IEEE, ".cg")
