@@ -398,7 +398,8 @@ def _timed(label, fn):
 
 def mix_setup(args, mesh) -> tuple[RolloutConfig, np.ndarray, int]:
     """The refill phases' shared set-up -> (the engine config with the pool a static batch of
-    ``--batch`` rows needs at full length, each row's cap from ``--length-mix``, the slots)."""
+    ``--batch`` rows needs at full length, each row's cap from ``--length-mix``, the slots);
+    ``--prefill-rows`` 0 resolved here (16, or the slots if fewer)."""
     if mesh is not None or not args.batch or args.rows % args.batch:
         raise SystemExit(f"--phase {args.phase}: no --mesh; --batch B with --rows a multiple "
                          "of B")
@@ -484,9 +485,10 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
     their caps, as in ``--phase refill``) and priced with fixed-context step times measured
     here (``sparrow_jax.rollout.chunk_time``): the static batch at a short context at every
     table width its chunks use and at ``--contexts``, all rows running and one (its per-step
-    term, the longest row's cost and each further row's), the refill slots at a short context at every width refill's chunks use (their per-step
-    term). ``--refill-json``: a ``--phase refill`` run of the same arguments, whose measured
-    seconds the predictions are checked against."""
+    term, the longest row's cost and each further row's); the refill slots at a short context
+    at every width refill's chunks use (their per-step term). ``--refill-json``: a ``--phase
+    refill`` run of the same arguments, whose measured seconds the predictions are checked
+    against."""
     del ceiling, wbytes
     rc, caps, slots = mix_setup(args, mesh)
     p, c, pool = rc.page_size, rc.steps_per_call, rc.num_pages
@@ -518,6 +520,9 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
             points.append((timing.table_width, 1e3 * statistics.median(timing.step_seconds)))
         return state, points
 
+    def points(rows):
+        return [(r["mean_context"], r["table_width"], r["step_ms"]) for r in rows]
+
     key = jax.random.key(1)
     for mode in args.modes:
         sched = schedule_for(mode)
@@ -530,10 +535,6 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
         state, lone = time_contexts(batch, graphdef, params, state, contexts,
                                     repeats=args.repeats, label=f"{mode} static", live=1)
         batch = state = None                 # the pool freed before the next is built
-
-        def points(rows):
-            return [(r["mean_context"], r["table_width"], r["step_ms"]) for r in rows]
-
         times = {"static": SlotStepTimes.from_points(args.batch, short, points(rows),
                                                      lone=points(lone))}
         # The slots hold a short context's pages only (time_context's span past the start).

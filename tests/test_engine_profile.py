@@ -96,8 +96,9 @@ def test_profile_holds_one_pool():
 def test_short_rows_in_a_wide_table():
     """``max_context``: 5 rows holding the pages of 12 tokens each (3 of 4 tokens) in a pool of
     just those (+ the null page), their tables at the config's full width (the prompt padded to
-    8, + 40: 12 columns) with the rest on the null page. A ``min_width`` chunk at a short context reads
-    a wide table (a short row beside a long one) and decodes what the narrow table decodes."""
+    8, + 40: 12 columns) with the rest on the null page. A ``min_width`` chunk at a short
+    context reads a wide table (a short row beside a long one) and decodes what the narrow
+    table decodes."""
     model = init_model(CFG, seed=0)
     config = RolloutConfig(n=1, max_new_tokens=40, page_size=P, steps_per_call=4,
                            temperature=1.0, dense_layers=(0,), table_bucket_pages=1,

@@ -26,9 +26,9 @@ import numpy as np
 from jax.sharding import Mesh
 
 from sparrow_jax.rollout.decode_loop import UNFINISHED, LoopState, table_width
-from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.rollout.engine import (DecodeBatch, RolloutConfig, decode_chunk, model_params,
                                         plan_batch, start_batch)
+from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.schedule import BudgetSchedule
 
 
