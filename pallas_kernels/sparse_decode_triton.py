@@ -209,7 +209,7 @@ def run_launches(launches, buffers: dict) -> dict:
             *(buf[name] for name in launch.inputs), kernel=getattr(kernels, launch.kernel),
             out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in launch.outputs],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            zeroed_outputs=[names.index(name) for name in launch.zeroed],
+            zeroed_outputs=tuple(names.index(name) for name in launch.zeroed),
             name=f"sparse_decode_{launch.kernel}", **dict(launch.constants))
         buf.update(zip((name for name, _, _ in launch.outputs), outs))
     return buf

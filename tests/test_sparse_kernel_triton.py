@@ -314,7 +314,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="needs the triton package (its compiler and ptxas; no GPU needed)")
-def test_kernels_compile_for_hopper_and_persistent_programs_fit():
+def test_kernels_compile_for_hopper_and_persistent_programs_fit(tmp_path):
     """Every launch compiles for sm_90 at issue 5's shape (no GPU needed: Triton's compiler
     and its bundled ptxas), and the persistent kernel's default grid, 2 programs a streaming
     multiprocessor, fits an H100 SM at once (65536 registers, 227 KB of shared memory), as
@@ -324,6 +324,9 @@ def test_kernels_compile_for_hopper_and_persistent_programs_fit():
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    # Triton caches compiled kernels under $HOME, which a GPU machine's image may not let it
+    # write: a fresh folder of the test's own.
+    env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
     res = subprocess.run([sys.executable, "-c", _COMPILE], env=env, capture_output=True,
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]

@@ -59,17 +59,22 @@ def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
             assert m[k] == n[k], k
         np.testing.assert_allclose([n[k] for k in sorted(n)], [m[k] for k in sorted(m)],
                                    rtol=tol, atol=tol, err_msg=str(sorted(m)))
-    for x, y in zip(jax.tree.leaves(nnx.state(a.model, nnx.Param)),
-                    jax.tree.leaves(nnx.state(b.model, nnx.Param))):
-        x, y = np.asarray(x), np.asarray(y)
-        if tol == 0:
-            np.testing.assert_array_equal(y, x)
-        else:
-            # Adam moves a weight by about the learning rate a step whatever its gradient's
-            # size: where a gradient is near zero, TF32's noise can flip that step (measured:
-            # 1 weight in 16384 3.6e-3 apart). Any other difference would move many weights.
-            diff = np.abs(y - x)
-            assert diff.max() <= 2 * 3 * 1e-3 and np.mean(diff > 1e-4) < 1e-3, diff.max()
+    xs, ys = (jax.tree.leaves(nnx.state(t.model, nnx.Param)) for t in (a, b))
+    if tol == 0:
+        for x, y in zip(xs, ys):
+            np.testing.assert_array_equal(np.asarray(y), np.asarray(x))
+        return
+    # On a GPU the TIS weights differ by TF32's noise, and Adam, which moves a weight by about
+    # the learning rate a step whatever its gradient's size, turns that into visible differences
+    # where gradients are near zero (measured on an H100: 1% of weights over 1e-4 apart, the
+    # largest 2e-3). What must hold: each weight within Adam's step bound, and the two runs'
+    # updates from the same initial weights the same to 10% (other samples would give updates
+    # about as far apart as they are large).
+    w0 = jax.tree.leaves(nnx.state(trainer_mod.load_policy(_cfg(static).model)[0], nnx.Param))
+    flat = lambda ws: np.concatenate([np.asarray(w, np.float64).ravel() for w in ws])
+    x, y, w = flat(xs), flat(ys), flat(w0)
+    apart = np.linalg.norm(y - x) / np.linalg.norm(x - w)
+    assert np.abs(y - x).max() <= 2 * 3 * 1e-3 and apart < 0.1, (np.abs(y - x).max(), apart)
 
 
 def test_refill_slots_are_checked(tmp_path):
