@@ -7,15 +7,15 @@ loads Triton pipelines. One step is a few launches, planned once by :func:`plan`
 :func:`sparse_decode_triton_checked` through ``jax_triton.triton_call`` (the CPU tests run the
 same plan in Triton's interpreter):
 
-1. scoring (grid rows x chunks) and selection (grid rows), or both in one program per row
-   (``fuse_score_select``: no second launch, each row scores and selects on its own);
+1. scoring (grid rows x chunks), then selection (grid rows);
 2. attention, grid rows x S splits, BP pages a step, all query heads of a KV head together,
    bf16 inputs with float32 accumulation;
 3. the S partial results merged in XLA (:func:`pallas_kernels.sparse_decode_gpu.merge_splits`).
 
-With ``persistent``, 1 and 2 are one launch of a persistent grid
-(:func:`~pallas_kernels.triton_decode_kernels.decode_kernel`): a row's selection runs beside
-other rows' scoring and attention instead of between two launches.
+Two variants measured slower on an H100 at every batch size and were removed (BENCHMARKS.md,
+the Triton path; the code is in the history): scoring and selection of a row fused into one
+program, and one persistent launch whose programs take scoring, selection and attention tasks
+in turn, a row's attention waiting for its selection's flag.
 
 jax-triton and triton are imported only when these kernels run: a missing package gives one
 line saying what to install.
@@ -31,7 +31,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.sparse_decode_gpu import (_pow2, check_launch_settings, checked_centroids,
-                                              default_splits, merge_splits, sm_count)
+                                              default_splits, merge_splits)
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "
            "'sparrow-jax[triton]' (on a machine with an NVIDIA GPU)")
@@ -45,41 +45,31 @@ class TritonDecodeTuning:
     splits: parts of each page list attended in parallel (None: one wave of programs,
       :func:`pallas_kernels.sparse_decode_gpu.default_splits`).
     score_chunk: page slots scored per program or loop step (a power of two >= 16).
-    fuse_score_select: score and select each row in one program instead of two launches.
     histogram: find the selection threshold by four 256-bin histogram rounds, else by 32
       one-bit counting rounds.
     score_warps, select_warps, attend_warps: Triton warps of each kernel (the fused kernel
       takes select_warps).
     attend_stages: Triton's pipelining depth of the attention loop.
-    persistent: the whole step in one launch of ``programs`` programs that take scoring,
-      selection and attention tasks in turn (the warps of ``attend_warps``).
-    programs: the persistent grid (None: 2 a streaming multiprocessor, which any setting
-      here lets reside at once, as the kernel needs).
     """
     block_pages: int = 4
     splits: int | None = None
     score_chunk: int = 64
-    fuse_score_select: bool = False
     histogram: bool = True
     score_warps: int = 4
     select_warps: int = 8
     attend_warps: int = 4
     attend_stages: int = 2
-    persistent: bool = False
-    programs: int | None = None
 
     def __post_init__(self):
         if self.block_pages is None:
             raise ValueError("block_pages must be a power of two, got None")
         check_launch_settings(self)
-        if self.programs is not None and self.programs < 1:
-            raise ValueError(f"programs must be >= 1, got {self.programs}")
 
 
 class Launch(NamedTuple):
     """One kernel launch: the kernel's name in :mod:`pallas_kernels.triton_decode_kernels`,
     its grid, the buffers it reads (by name), those it writes (name, shape, dtype), its
-    compile-time constants and Triton settings, and the outputs it needs zeroed."""
+    compile-time constants and Triton settings."""
     kernel: str
     grid: tuple[int, ...]
     inputs: tuple[str, ...]
@@ -87,7 +77,6 @@ class Launch(NamedTuple):
     constants: tuple[tuple[str, object], ...]
     num_warps: int
     num_stages: int
-    zeroed: tuple[str, ...] = ()
 
 
 def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_width,
@@ -112,25 +101,12 @@ def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_wi
     attending = {**common, "MAXP": max_pages, "BP": tuning.block_pages, "S": splits,
                  "SCALE": head_dim ** -0.5,
                  "IEEE": bool(jnp.dtype(compute_dtype) == jnp.float32)}
-    if tuning.persistent:
-        programs = tuning.programs or 2 * sm_count()
-        return (Launch(
-            "decode_kernel", (programs,),
-            ("q", "centroids", "table", "lengths", "budgets", "k", "v"),
-            (*lists, ("done", (2 * rows,), "int32"), *partials),
-            tuple({**attending, **select, "C": c, "ROWS": rows, "PROGRAMS": programs}.items()),
-            tuning.attend_warps, tuning.attend_stages, zeroed=("done",)),)
-    if tuning.fuse_score_select:
-        selecting = (Launch(
-            "score_select_kernel", (rows,), ("q", "centroids", "table", "lengths", "budgets"),
-            lists, tuple({**common, **select, "C": c}.items()), tuning.select_warps, 1),)
-    else:
-        selecting = (
-            Launch("score_kernel", (rows, -(-m // c)), ("q", "centroids", "table", "lengths"),
-                   lists[:1], tuple({**common, "M": m, "C": c}.items()), tuning.score_warps, 1),
-            Launch("select_kernel", (rows,), ("keys", "table", "lengths", "budgets"), lists[1:],
-                   tuple({"HKV": kv_heads, "P": page_size, **select}.items()),
-                   tuning.select_warps, 1))
+    selecting = (
+        Launch("score_kernel", (rows, -(-m // c)), ("q", "centroids", "table", "lengths"),
+               lists[:1], tuple({**common, "M": m, "C": c}.items()), tuning.score_warps, 1),
+        Launch("select_kernel", (rows,), ("keys", "table", "lengths", "budgets"), lists[1:],
+               tuple({"HKV": kv_heads, "P": page_size, **select}.items()),
+               tuning.select_warps, 1))
     attend = Launch(
         "attend_kernel", (rows, splits), ("q", "k", "v", "phys", "slots", "count", "lengths"),
         partials, tuple(attending.items()), tuning.attend_warps, tuning.attend_stages)
@@ -204,12 +180,10 @@ def run_launches(launches, buffers: dict) -> dict:
     kernels, jt = kernels_module()
     buf = dict(buffers)
     for launch in launches:
-        names = [name for name, _, _ in launch.outputs]
         outs = jt.triton_call(
             *(buf[name] for name in launch.inputs), kernel=getattr(kernels, launch.kernel),
             out_shape=[jax.ShapeDtypeStruct(shape, dtype) for _, shape, dtype in launch.outputs],
             grid=launch.grid, num_warps=launch.num_warps, num_stages=launch.num_stages,
-            zeroed_outputs=tuple(names.index(name) for name in launch.zeroed),
             name=f"sparse_decode_{launch.kernel}", **dict(launch.constants))
         buf.update(zip((name for name, _, _ in launch.outputs), outs))
     return buf

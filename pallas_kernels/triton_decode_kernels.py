@@ -153,33 +153,6 @@ def select_kernel(key_ptr, table_ptr, len_ptr, budget_ptr, phys_ptr, slot_ptr, c
 
 
 @triton.jit
-def score_select_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, budget_ptr, key_ptr, phys_ptr,
-                        slot_ptr, count_ptr, HKV: tl.constexpr, HQ: tl.constexpr,
-                        R: tl.constexpr, RPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr,
-                        M: tl.constexpr, N: tl.constexpr, C: tl.constexpr, MPAD: tl.constexpr,
-                        MAXP: tl.constexpr, HISTOGRAM: tl.constexpr):
-    """Grid (rows,): scoring and selection of one row in one program (no second launch, no
-    keys round trip between programs): the row's keys are scored chunk by chunk into ``keys``,
-    read back after a block-wide barrier and selected. Only the chunks of pages in use are
-    scored."""
-    row = tl.program_id(0)
-    b = row // HKV
-    h = row % HKV
-    n = tl.cdiv(tl.load(len_ptr + b), P)
-    qbar = _group_mean(q_ptr, b, h, HQ, R, RPAD, D)
-    for c in tl.range(0, tl.cdiv(n, C)):
-        slot = c * C + tl.arange(0, C)
-        tl.store(key_ptr + row * M + slot,
-                 _score_slots(qbar, cent_ptr, table_ptr, b, h, slot, n, M, N, D),
-                 mask=slot < M)
-    tl.debug_barrier()    # every thread's key stores precede the loads below
-    idx = tl.arange(0, MPAD)
-    u = tl.load(key_ptr + row * M + idx, mask=idx < n, other=0)
-    _select_row(u, table_ptr, phys_ptr, slot_ptr, count_ptr, row, b, n, tl.load(budget_ptr + b),
-                M, MPAD, MAXP, HISTOGRAM)
-
-
-@triton.jit
 def attend_kernel(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o_ptr, m_ptr,
                   l_ptr, HKV: tl.constexpr, HQ: tl.constexpr, R: tl.constexpr,
                   RPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
@@ -188,23 +161,11 @@ def attend_kernel(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
     """Grid (rows, S): online-softmax attention of the R query heads of one row over its
     share (split ``s`` of S) of the row's page list, BP pages a step, pages gathered by
     computed pointers -> unnormalised output ``[RPAD, D]``, running max and sum ``[RPAD]``."""
-    _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o_ptr, m_ptr,
-                  l_ptr, tl.program_id(0), tl.program_id(1), HKV, HQ, R, RPAD, D, P, N, MAXP,
-                  BP, S, SCALE, IEEE, "")
-
-
-@triton.jit
-def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o_ptr, m_ptr,
-                  l_ptr, row, s, HKV: tl.constexpr, HQ: tl.constexpr, R: tl.constexpr,
-                  RPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, N: tl.constexpr,
-                  MAXP: tl.constexpr, BP: tl.constexpr, S: tl.constexpr, SCALE: tl.constexpr,
-                  IEEE: tl.constexpr, LISTS: tl.constexpr):
-    """Split ``s`` of row ``row``'s page list attended (:func:`attend_kernel`); ``LISTS``: the
-    cache modifier of the page-list loads (".cg" where another program of the same launch
-    wrote them: from L2, where its published stores are, never from a stale L1 line)."""
+    row = tl.program_id(0)
+    s = tl.program_id(1)
     b = row // HKV
     h = row % HKV
-    count = tl.load(count_ptr + row, cache_modifier=LISTS)
+    count = tl.load(count_ptr + row)
     length = tl.load(len_ptr + b)
     blocks = tl.cdiv(count, BP)
     per_split = tl.cdiv(blocks, S)
@@ -223,10 +184,8 @@ def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
     for i in tl.range(start, stop):
         entry = i * BP + t // P                    # each token's list entry
         listed = entry < count
-        phys = tl.load(phys_ptr + row * MAXP + entry, mask=listed, other=0,
-                       cache_modifier=LISTS).to(tl.int64)
-        slot = tl.load(slot_ptr + row * MAXP + entry, mask=listed, other=0,
-                       cache_modifier=LISTS)
+        phys = tl.load(phys_ptr + row * MAXP + entry, mask=listed, other=0).to(tl.int64)
+        slot = tl.load(slot_ptr + row * MAXP + entry, mask=listed, other=0)
         off = head + (phys * P + tok)[:, None] * D + d[None, :]
         k = tl.load(k_ptr + off, mask=listed[:, None], other=0.0).to(q.dtype)
         v = tl.load(v_ptr + off, mask=listed[:, None], other=0.0).to(q.dtype)
@@ -250,57 +209,3 @@ def _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o
     tl.store(o_ptr + (part * RPAD + r)[:, None] * D + d[None, :], o)
     tl.store(m_ptr + part * RPAD + r, m)
     tl.store(l_ptr + part * RPAD + r, l)
-
-
-@triton.jit
-def decode_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, budget_ptr, k_ptr, v_ptr, key_ptr,
-                  phys_ptr, slot_ptr, count_ptr, done_ptr, o_ptr, m_ptr, l_ptr,
-                  HKV: tl.constexpr, HQ: tl.constexpr, R: tl.constexpr, RPAD: tl.constexpr,
-                  D: tl.constexpr, P: tl.constexpr, N: tl.constexpr, M: tl.constexpr,
-                  C: tl.constexpr, MPAD: tl.constexpr, MAXP: tl.constexpr,
-                  HISTOGRAM: tl.constexpr, BP: tl.constexpr, S: tl.constexpr,
-                  SCALE: tl.constexpr, IEEE: tl.constexpr, ROWS: tl.constexpr,
-                  PROGRAMS: tl.constexpr):
-    """The whole step in one persistent launch, grid (PROGRAMS,): program p takes tasks p,
-    p + PROGRAMS, .. of a list that holds every (row, chunk) scoring task, row by row, then
-    every (row, split) attention task. The program that scores a row's last chunk (counted in
-    ``done [2 * ROWS]``, zeroed) selects its pages and raises the row's flag; an attention
-    task waits for its row's flag. So the selection of one row runs while other programs
-    score later rows or attend earlier ones, instead of in a launch of its own between
-    scoring and attention. Every program must be resident at once (PROGRAMS at most what the
-    GPU holds): a waiting program holds its place until another sets the flag.
-
-    Hand-offs between programs: keys, then the row's page lists, are stored; a block-wide
-    barrier orders every thread's stores before the atomic that publishes them (acq_rel);
-    the reader's atomic acquires before it loads."""
-    pid = tl.program_id(0)
-    chunks: tl.constexpr = (M + C - 1) // C
-    scoring: tl.constexpr = ROWS * chunks
-    # No software pipelining across tasks: a load of the next task hoisted above this one's
-    # wait would read page lists before their flag.
-    for task in tl.range(pid, scoring + ROWS * S, PROGRAMS, num_stages=1):
-        if task < scoring:
-            row = task // chunks
-            b = row // HKV
-            h = row % HKV
-            n = tl.cdiv(tl.load(len_ptr + b), P)
-            slot = (task % chunks) * C + tl.arange(0, C)
-            keys = _score_slots(_group_mean(q_ptr, b, h, HQ, R, RPAD, D), cent_ptr, table_ptr,
-                                b, h, slot, n, M, N, D)
-            tl.store(key_ptr + row * M + slot, keys, mask=slot < M)
-            tl.debug_barrier()
-            if tl.atomic_add(done_ptr + row, 1, sem="acq_rel") == chunks - 1:
-                idx = tl.arange(0, MPAD)
-                u = tl.load(key_ptr + row * M + idx, mask=idx < M, other=0,
-                            cache_modifier=".cg")
-                _select_row(u, table_ptr, phys_ptr, slot_ptr, count_ptr, row, b, n,
-                            tl.load(budget_ptr + b), M, MPAD, MAXP, HISTOGRAM)
-                tl.debug_barrier()
-                tl.atomic_xchg(done_ptr + ROWS + row, 1, sem="acq_rel")
-        else:
-            row = (task - scoring) // S
-            while tl.atomic_add(done_ptr + ROWS + row, 0, sem="acq_rel") == 0:
-                pass
-            _attend_split(q_ptr, k_ptr, v_ptr, phys_ptr, slot_ptr, count_ptr, len_ptr, o_ptr,
-                          m_ptr, l_ptr, row, (task - scoring) % S, HKV, HQ, R, RPAD, D, P, N,
-                          MAXP, BP, S, SCALE, IEEE, ".cg")

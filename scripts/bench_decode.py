@@ -37,7 +37,7 @@ from jax import lax
 
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
                                              merge_splits, pad_heads, score_keys, select_from_keys,
-                                             select_page_lists, sm_count, sparse_decode_pallas)
+                                             select_page_lists, sparse_decode_pallas)
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
 from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds, read_ceiling
@@ -85,30 +85,20 @@ def parse_variant(spec):
 
 
 def parse_triton_variant(spec):
-    """'b8w8f1' -> ('triton_b8w8f1', TritonDecodeTuning(block_pages=8, attend_warps=8,
-    fuse_score_select=True)); 'p2': one persistent launch of 2 programs a streaming
-    multiprocessor; a spec without letters and numbers ('default') -> the defaults."""
+    """'b8w8h0' -> ('triton_b8w8h0', TritonDecodeTuning(block_pages=8, attend_warps=8,
+    histogram=False)); a spec without letters and numbers ('default') -> the defaults."""
     names = dict(b="block_pages", s="splits", w="attend_warps", g="attend_stages",
-                 c="score_chunk", v="score_warps", t="select_warps", f="fuse_score_select",
-                 h="histogram", p="programs")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswgcvtfhp])(\d+)", spec)}
-    for flag in ("fuse_score_select", "histogram"):
-        if flag in kw:
-            kw[flag] = bool(kw[flag])
-    if kw.get("programs"):
-        kw.update(persistent=True, programs=kw["programs"] * sm_count())
-    else:
-        kw.pop("programs", None)
+                 c="score_chunk", v="score_warps", t="select_warps", h="histogram")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswgcvth])(\d+)", spec)}
+    if "histogram" in kw:
+        kw["histogram"] = bool(kw["histogram"])
     return f"triton_{spec}", TritonDecodeTuning(**kw)
 
 
 def triton_breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budgets, kb,
                            b, m):
     """The Triton step's parts timed alone: its scoring and selection launches, and its
-    attention launch + merge from given lists (chained as in :func:`breakdown_cases`); none
-    for a persistent launch, whose parts run together."""
-    if tuning.persistent:
-        return {}
+    attention launch + merge from given lists (chained as in :func:`breakdown_cases`)."""
     launches = plan(batch=b, q_heads=HQ, kv_heads=HKV, head_dim=D, pages_total=k_pages.shape[1],
                     page_size=P, table_width=m, max_pages=kb, compute_dtype=q.dtype,
                     tuning=tuning)
@@ -252,7 +242,7 @@ def main(argv=None):
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "
                          "'default', or letters+numbers: b block_pages, s splits, w attention "
                          "warps, g attention stages, c score_chunk, v score warps, t select "
-                         "warps, f1 fused scoring + selection, h0 bitwise threshold search")
+                         "warps, h0 bitwise threshold search")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
