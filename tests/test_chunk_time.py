@@ -38,6 +38,9 @@ def test_lone_row_by_hand():
     # Width 6 (A = 1.5): the longer row (15) alone adds g(15) = 1.75, the other h(10) = 0.5.
     assert times.step_ms(6, [10, 15]) == pytest.approx(1.5 + 1.75 + 0.5)
     assert times.step_ms(6, []) == pytest.approx(1.5)
+    # Without the per-step term only the rows' own cost is left: 1.75 + 0.5.
+    assert times.rows_only().step_ms(6, [10, 15]) == pytest.approx(2.25)
+    assert times.rows_only().step_ms(6, []) == 0.0
     with pytest.raises(ValueError, match="contexts and widths of full"):
         SlotStepTimes.from_points(2, [(4, 1.0)], [(20, 8, 6.0), (10, 4, 3.0)],
                                   lone=[(10, 4, 2.5)])

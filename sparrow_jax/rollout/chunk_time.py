@@ -81,6 +81,12 @@ class SlotStepTimes:
             self, slots=slots, widths=np.array([w for w, _ in short], np.float64),
             width_ms=np.array([t for _, t in short], np.float64))
 
+    def rows_only(self) -> "SlotStepTimes":
+        """These times without the per-step term ``A``: a run's rows' own cost (their K/V
+        reads and per-row work), which no number of slots removes. A static run's time over
+        the refill chunks' ``rows_only`` cost bounds what refill can gain over it."""
+        return dataclasses.replace(self, width_ms=np.zeros_like(self.width_ms))
+
     def step_ms(self, width: int, contexts) -> float:
         """One step at table ``width`` with running rows at ``contexts``."""
         ctx = np.sort(np.asarray(contexts, np.float64))
