@@ -12,7 +12,7 @@
 # $IN (default $OUT). The 8K runs use 160 prompts of 32 tokens with caps from the log-normal
 # mix, static batches of 32 (the pool they need at full length), refill with 64 slots in the
 # same pool. (With 96 prompts the last row at the cap bounds refill at 8192 steps against
-# the static engine's 3 x 8192: 1.70x measured, sparse, 2026-11-25.) The 32K model prices
+# the static engine's 3 x 8192: 1.70x measured, sparse, 2026-11-25; with 160, 2.10x.) The 32K model prices
 # 152 prompts (19 x 8 samples, 8 static batches of 19, the most whose 32K cache fits) on 48
 # refill slots in the same pool. CUDA graphs on (XLA's default; GRAPHS=0 turns them off): without them a step
 # launches each of its kernels from the host, which at a few ms a step is most of the step
