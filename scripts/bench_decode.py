@@ -38,6 +38,7 @@ from jax import lax
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
                                              merge_splits, pad_heads, score_keys, select_from_keys,
                                              select_page_lists, sparse_decode_pallas)
+from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
 from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds, read_ceiling
@@ -162,6 +163,13 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
         return attend_page_lists(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_, l_,
                                  page_size=P, tuning=tuning, interpret=interpret)
 
+    def attend_mgpu(stages):
+        def run(q_, k_, v_, ph_, sl_, co_, l_):
+            return attend_page_lists_mgpu(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_,
+                                          l_, page_size=P, splits=tuning.splits,
+                                          stages=stages, interpret=interpret)
+        return run
+
     # Diagnostic: every row's list is kb consecutive pages of the pool (same count, same
     # bytes), so the attention reads 2 x kb x 4 KB contiguous per (row, KV head) instead of
     # 4 KB pieces scattered by the selection.
@@ -185,7 +193,13 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
                                                 lengths), b * HKV * kb * P * D * 2 * 2),
             "part_attend_runs": (None, attend_only, (q, k_pages, v_pages, run, slots_run,
                                                      count, lengths),
-                                 b * HKV * kb * P * D * 2 * 2)}
+                                 b * HKV * kb * P * D * 2 * 2),
+            # The same attention as a Mosaic GPU kernel, pages fetched by TMA, 2 and 4 blocks
+            # in flight (pallas_kernels/sparse_attend_mgpu.py; experimental). With the budget
+            # named, so its output is checked against the reference like a whole step's.
+            **{f"part_attend_mgpu_s{st}": (kb * P, attend_mgpu(st), (q, k_pages, v_pages, phys,
+                                                                     slots, count, lengths),
+                                           b * HKV * kb * P * D * 2 * 2) for st in (2, 4)}}
 
 
 def selection_agreement(q, centroids, table, lengths, budgets, max_pages):
