@@ -8,8 +8,8 @@ split into ``splits`` parts merged by :func:`~pallas_kernels.sparse_decode_gpu.m
 Why a second kernel: the Triton-lowered one gathers each 4 KB page with computed pointers,
 and reads at about 78% of an H100's read ceiling (BENCHMARKS.md, run I). Here each page of K
 and of V is one TMA copy into shared memory (jax-triton cannot launch Triton's TMA
-descriptors: notes/kernel_notes.md), ``stages`` blocks of ``block_pages`` pages in flight per
-program while the matrix unit works on the current one. Hopper's matrix instructions take 64
+descriptors: notes/kernel_notes.md), ``stages - 1`` blocks of ``block_pages`` pages in flight
+per program while the matrix unit works on the current one. Hopper's matrix instructions take 64
 rows: a KV head's query heads are padded to 64 (the extra products are cheap next to the page
 reads). Experimental: checked against the float64 reference in Mosaic GPU's interpret mode on
 CPU; not yet compiled or timed on a GPU, and not what ``impl="auto"`` runs.
