@@ -50,7 +50,8 @@ for run, mode, path in zip(runs, ("sparse", "dense"), paths):
         sys.exit(f"{path}: no {mode!r} run under 'modes'")
 for key in ("max_new", "rows", "batch", "slots", "num_pages", "length_mix"):
     if runs[0].get(key) != runs[1].get(key):
-        sys.exit(f"{paths[1]}: {key} {runs[1].get(key)!r}, but {runs[0].get(key)!r} in {paths[0]}")
+        sys.exit(f"{paths[1]}: {key} {runs[1].get(key)!r}, but {runs[0].get(key)!r} in "
+                 f"{paths[0]}")
 json.dump(dict(runs[0], modes={m: r["modes"][m] for r, m in zip(runs, ("sparse", "dense"))}),
           open(out, "w"))
 PY
