@@ -194,8 +194,8 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
             "part_attend_runs": (None, attend_only, (q, k_pages, v_pages, run, slots_run,
                                                      count, lengths),
                                  b * HKV * kb * P * D * 2 * 2),
-            # The same attention as a Mosaic GPU kernel, pages fetched by TMA, 2 and 4 blocks
-            # in flight (pallas_kernels/sparse_attend_mgpu.py; experimental). With the budget
+            # The same attention as a Mosaic GPU kernel, pages fetched by TMA, 2 and 4 stages
+            # (pallas_kernels/sparse_attend_mgpu.py; experimental). With the budget
             # named, so its output is checked against the reference like a whole step's.
             **{f"part_attend_mgpu_s{st}": (kb * P, attend_mgpu(st), (q, k_pages, v_pages, phys,
                                                                      slots, count, lengths),
