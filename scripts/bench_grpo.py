@@ -19,10 +19,10 @@ schedule, one after the other in this process (e.g. ``paper:qwen3-1.7b dense``: 
 dense GRPO step), and prints them side by side.
 
 ``--rollout-model FILE`` (the JSON of ``scripts/bench_rollout.py --phase refill-model``, e.g.
-at a 32K cap): the GRPO step of that length mix composed from the model's predicted refill
-rollout (``dense`` schedule: its dense mode; any other: its sparse mode) plus this run's
-recompute and update seconds per response token (measured on the few rows run here) times the
-mix's tokens; printed with the sparse/dense step ratio.
+at a 32K cap): the GRPO step of that length mix for each of its modes, composed from the
+model's predicted refill rollout plus this run's recompute and update seconds per response
+token (measured on the few rows run here, whatever their schedule: training is the same dense
+work after either rollout) times the mix's tokens; printed with the sparse/dense step ratio.
 
 ``--no-fuse`` runs the dense recompute as its own pass instead of fusing it into the first
 mini-batch's forward (docs/design.md, section 7). CPU smoke test: ``--tiny`` (the tiny model,
@@ -150,25 +150,26 @@ def run_schedule(args, schedule: str) -> dict:
     return out
 
 
-def compose(runs: list[dict], model_path: str) -> dict:
-    """The GRPO step of a refill-model run's mix per schedule: its predicted refill rollout +
-    this run's (recompute + update) seconds per response token x the mix's tokens."""
-    with open(model_path) as f:
-        model = json.load(f)
+def compose(runs: list[dict], model: dict, source: str) -> dict:
+    """The GRPO step of a refill-model run's mix (``model``, read from ``source``) for each of
+    its modes: its predicted refill rollout + (recompute + update) seconds per response token
+    x the mix's tokens. Training is the same dense work whatever schedule sampled the
+    responses, so one run's seconds per token prices every mode (the mean over the runs where
+    several ran)."""
+    per_token = statistics.mean(
+        (r["mean_after_first"]["time_recompute"] + r["mean_after_first"]["time_update"])
+        / r["mean_after_first"]["response_tokens"] for r in runs)
     tokens = model["tokens"]
-    out = dict(source=f"{model_path} (cap {model['max_new']}, {model['rows']} rows, "
-                      f"{model['slots']} slots)", tokens=tokens, schedules={})
-    for run in runs:
-        mode = "dense" if run["schedule"] == "dense" else "sparse"
-        if mode not in model["modes"] or "refill" not in model["modes"][mode]:
-            continue
-        m = run["mean_after_first"]
-        per_token = (m["time_recompute"] + m["time_update"]) / m["response_tokens"]
-        rollout = model["modes"][mode]["refill"]["seconds"]
-        out["schedules"][run["schedule"]] = dict(
-            mode=mode, rollout_s=rollout, training_s=per_token * tokens,
-            step_s=rollout + per_token * tokens, training_s_per_token=per_token)
-    steps = {e["mode"]: e["step_s"] for e in out["schedules"].values()}
+    out = dict(source=f"{source} (cap {model['max_new']}, {model['rows']} rows, "
+                      f"{model['slots']} slots)", tokens=tokens,
+               training_s_per_token=per_token, training_from=[r["schedule"] for r in runs],
+               modes={})
+    for mode, entry in model["modes"].items():
+        if "refill" in entry:
+            rollout = entry["refill"]["seconds"]
+            out["modes"][mode] = dict(rollout_s=rollout, training_s=per_token * tokens,
+                                      step_s=rollout + per_token * tokens)
+    steps = {mode: e["step_s"] for mode, e in out["modes"].items()}
     if {"dense", "sparse"} <= set(steps):
         out["sparse_over_dense"] = steps["dense"] / steps["sparse"]
     return out
@@ -203,6 +204,18 @@ def main(argv=None):
         args.model, args.dtype, args.prompts, args.samples = "tiny", "float32", 2, 4
         args.max_new, args.steps, args.micro_batch = 64, 2, 4
 
+    rollout_model = None
+    if args.rollout_model:       # read before the runs: a bad file fails now, not after them
+        try:
+            with open(args.rollout_model) as f:
+                rollout_model = json.load(f)
+            missing = [k for k in ("tokens", "max_new", "rows", "slots", "modes")
+                       if k not in rollout_model]
+        except (OSError, ValueError) as e:
+            raise SystemExit(f"--rollout-model {args.rollout_model}: {e}")
+        if missing or not any("refill" in e for e in rollout_model["modes"].values()):
+            raise SystemExit(f"--rollout-model {args.rollout_model}: not a bench_rollout.py "
+                             f"--phase refill-model JSON (missing {missing or 'a refill run'})")
     dev = jax.devices()[0]
     print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}",
           flush=True)
@@ -215,8 +228,8 @@ def main(argv=None):
         for schedule in args.schedules:
             out["runs"].append(run_schedule(args, schedule))
             gc.collect()   # the previous trainer's weights and optimizer state
-        if args.rollout_model:
-            out["composed"] = compose(out["runs"], args.rollout_model)
+        if rollout_model:
+            out["composed"] = compose(out["runs"], rollout_model, args.rollout_model)
     finally:
         if args.out:
             with open(args.out, "w") as f:
@@ -234,8 +247,9 @@ def main(argv=None):
     if "composed" in out:
         c = out["composed"]
         print(f"\nGRPO step on {c['source']} ({c['tokens']} response tokens, refill rollout "
-              f"predicted, training at this run's seconds per token):")
-        for name, e in c["schedules"].items():
+              f"predicted, training at {1e6 * c['training_s_per_token']:.1f} us a token as "
+              f"measured here):")
+        for name, e in c["modes"].items():
             print(f"  {name}: rollout {e['rollout_s']:.1f} s + training {e['training_s']:.1f} s "
                   f"= {e['step_s']:.1f} s")
         if "sparse_over_dense" in c:

@@ -7,7 +7,8 @@
 #         8k-dense      the same, dense
 #         model-8k      the chunk model at the 8K cap, checked against the 8k-* runs (10%)
 #         model-32k-sparse, model-32k-dense   the chunk model at the 32K cap
-#         grpo-32k      the GRPO step at 32K: a few rows measured, the model's rollouts added
+#         grpo-32k      the GRPO step at 32K: training measured on a few rows, the model's
+#                       rollouts added
 # Inputs of model-8k and grpo-32k (JSON of earlier parts, carried in the tree) are read from $IN
 # (default $OUT), each under the name its part writes (refill_8k-sparse.json, ..), or from the
 # files SPARSE_8K=, DENSE_8K= (model-8k), SPARSE_32K=, DENSE_32K= (grpo-32k) name. The 8K runs
@@ -73,8 +74,10 @@ case $part in
   grpo-32k)
     merge "$OUT/refill_model_32k.json" "${SPARSE_32K:-$IN/refill_model-32k-sparse.json}" \
       "${DENSE_32K:-$IN/refill_model-32k-dense.json}"
+    # One schedule: training is the same dense work after either rollout, and each 32K
+    # rollout of the few rows takes minutes (dense and sparse did not fit one call).
     python3 scripts/bench_grpo.py --prompts 1 --samples 2 --max-new 32768 --steps 2 \
-      --schedules paper:qwen3-1.7b dense --micro-batch 2 \
+      --schedules paper:qwen3-1.7b --micro-batch 2 \
       --rollout-model "$OUT/refill_model_32k.json" --out "$OUT/grpo_32k.json" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
