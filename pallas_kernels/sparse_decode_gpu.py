@@ -4,11 +4,16 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
 
 1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores ``qbar . centroid`` of the pages
    that may be chosen (``1 .. n-3``), turned into int32 keys whose signed order is the order of
-   the scores (ineligible slots get the smallest key). Reads one key-sized vector per page.
+   the scores (ineligible slots get the smallest key). Reads one key-sized vector per page of
+   the row, nothing past it (masked loads).
 2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
    chip; no sort), ties to the lower page index by a bitwise search over slot indices, plus the
    reserved pages; the chosen slots are compacted in page order (a prefix sum) into a page list.
+   The searches cover the smallest power of two of slots (256 at least) that holds the row's
+   pages, and are skipped when the budget covers the row.
+   So a short row costs the same whatever the table's width, which the batch's longest row sets
+   (continuous refill: a long row beside many short ones).
 3. ``_attend_kernel``, grid ``(B, Hkv, S)``: online-softmax attention of all query heads of the
    group over the listed pages, the list split S ways (flash-decoding) so that small batches
    still fill the GPU; each split loops only over its share of its own row's list, so the cost
@@ -40,6 +45,7 @@ from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_su
 
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (docs/design.md, section 3)
 _INT_MIN = -(2 ** 31)
+_INT_MAX = 2 ** 31 - 1
 # Finite, so that a fully masked block cannot turn the running max into NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Scalars inside kernels are typed (jnp.int32(0), not 0): the Triton lowering gives a weakly
@@ -128,9 +134,16 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
     qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
-    # Ineligible slots read page 0's centroid (one cached row) instead of a stray one.
-    phys = jnp.where(eligible, table_ref[...], jnp.int32(0))
-    cent = cent_ref[phys, :].astype(jnp.float32)                          # [C, D]
+    # Masked loads: a slot past the row's pages reads nothing, so a short row in a wide table
+    # (a long row beside it sets the width) costs its programs past its pages no memory
+    # traffic.
+    phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
+    d = cent_ref.shape[1]
+    # Both dimensions indexed by arrays (interpret mode has no masked load of a slice).
+    col = lax.broadcasted_iota(jnp.int32, (chunk, d), 1)
+    cent = plgpu.load(cent_ref.at[jnp.broadcast_to(phys[:, None], (chunk, d)), col],
+                      mask=jnp.broadcast_to(eligible[:, None], (chunk, d)),
+                      other=0).astype(jnp.float32)                         # [C, D]
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
     score = jnp.sum(cent * qbar[None, :], axis=1)
     key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
@@ -145,40 +158,60 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
     the second half is never written on GPU) and the count ``[1]``."""
-    keys = key_ref[...]
     table = table_ref[...]
     n = (len_ref[0] + page_size - 1) // page_size
-    mpad = keys.shape[0]
+    mpad = table.shape[0]
     kpad = phys_ref.shape[0] // 2
     idx = lax.broadcasted_iota(jnp.int32, (mpad,), 0)
     budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
     k = budget - RESERVED
 
-    # Largest T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t) >= k
-    # holds throughout, so each round counts only the candidate with its bit set. Ineligible
-    # keys are INT_MIN and every candidate is larger, so they are never counted; k = 0 gives
-    # T = INT_MAX, nothing chosen. (A Python loop: unrolled, 32 rounds.)
-    t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
-    for bit in range(30, -1, -1):
-        cand = t | jnp.int32(1 << bit)
-        t = jnp.where(_count(keys >= cand) >= k, cand, t)
-    above = keys > t
-    need = k - _count(above)                     # how many keys equal to t to take, >= 0
-    equal = keys == t
-    # Ties: the `need` lowest slots among the equal keys: the largest j with fewer than `need`
-    # equal keys below it is the last one taken. Usually exactly `need` keys equal t (no tie
-    # at the threshold) and the search is skipped.
-    def lowest_equal():
-        j = jnp.int32(0)
-        for bit in range(slot_bits - 1, -1, -1):
-            cand = j + (1 << bit)
-            j = jnp.where(_count(equal & (idx < cand)) < need, cand, j)
-        return j
+    def search(size):
+        """(t, need, j) from the first ``size`` keys, which hold every eligible one (slots
+        from ``n - 2`` on are ineligible): the same as from all ``mpad``, at the row's cost."""
+        keys = key_ref[pl.ds(0, size)]
+        slot = lax.broadcasted_iota(jnp.int32, (size,), 0)
+        # Largest T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t) >= k
+        # holds throughout, so each round counts only the candidate with its bit set.
+        # Ineligible keys are INT_MIN and every candidate is larger, so they are never counted;
+        # k = 0 gives T = INT_MAX, nothing chosen. (A Python loop: unrolled, 32 rounds.)
+        t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
+        for bit in range(30, -1, -1):
+            cand = t | jnp.int32(1 << bit)
+            t = jnp.where(_count(keys >= cand) >= k, cand, t)
+        need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
+        equal = keys == t
 
-    # need <= mpad, so the first branch is mpad (no limit); it is computed from a traced value
-    # because the Triton lowering cannot yield a literal from a cond.
-    j = lax.cond(_count(equal) == need, lambda: jnp.maximum(need, jnp.int32(mpad)),
-                 lowest_equal)
+        # Ties: the `need` lowest slots among the equal keys: the largest j with fewer than
+        # `need` equal keys below it is the last one taken. Usually exactly `need` keys equal
+        # t (no tie at the threshold) and the search is skipped.
+        def lowest_equal():
+            j = jnp.int32(0)
+            for bit in range(size.bit_length() - 2, -1, -1):
+                cand = j + (1 << bit)
+                j = jnp.where(_count(equal & (slot < cand)) < need, cand, j)
+            return j
+
+        # need <= size, so the first branch is size (no limit); it is computed from a traced
+        # value because the Triton lowering cannot yield a literal from a cond.
+        j = lax.cond(_count(equal) == need, lambda: jnp.maximum(need, jnp.int32(size)),
+                     lowest_equal)
+        return t, need, j
+
+    # The search runs over the smallest power of two of slots holding the row's pages (a
+    # branch per size), and not at all when the budget covers the row: its cost follows the
+    # row's length, not the table's width, which the longest row of the batch sets.
+    sizes = [size for size in (1 << e for e in range(8, slot_bits + 1))] or [mpad]
+    sizes[-1] = mpad
+    which = sum((n > size).astype(jnp.int32) for size in sizes[:-1])
+    # Nothing chosen by score (traced values: the Triton lowering cannot yield a literal).
+    skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
+    t, need, j = lax.cond(n <= budget, skip,
+                          lambda: lax.switch(which, [functools.partial(search, size)
+                                                     for size in sizes]))
+    keys = key_ref[...]
+    above = keys > t
+    equal = keys == t
     chosen = above | (equal & (idx <= j) & (need > 0))
     reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
     sel = jnp.where(n <= budget, idx < n, reserved | chosen)

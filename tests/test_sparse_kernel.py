@@ -132,6 +132,49 @@ def test_selection_equals_reference_and_lists_are_padded():
         assert (phys[b, h, c:max_pages] == tab[b, pages[-1]]).all()
 
 
+def test_selection_in_a_wide_table_follows_each_row():
+    """The selection searches the smallest power of two of slots (from 256) that holds a row's
+    pages, and nothing under budget: rows of 5, 150, 256, 257, 300 and 700 pages in a
+    1024-slot table (one branch each side of every size boundary) give the reference's
+    pages, and so does the whole decode step."""
+    rng = np.random.default_rng(12)
+    pages = np.array([5, 150, 256, 257, 300, 700])
+    lengths = pages * P - rng.integers(0, P, pages.size)
+    q, k, v, cent, table, lengths = make_case(rng, lengths=lengths, hkv=1, r=2, d=16,
+                                              dtype=jnp.float32, spare_cols=200)
+    assert table.shape[1] > 512
+    budgets = jnp.asarray([40, 40, 64, 40, 200, 100], jnp.int32)
+    phys, slots, count = select_page_lists(
+        pad_heads(q, 1), 2, cent, table, lengths, budgets, page_size=P, max_pages=256,
+        interpret=INTERPRET)
+    got, _ = lists_as_sets(phys, slots, count)
+    want_out, want = reference(q, k, v, cent, table, lengths, budgets)
+    assert got == want
+    out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, centroids=cent,
+                               max_budget_pages=256, interpret=INTERPRET)
+    assert_kernel_close(as64(out), want_out, low_precision=False)
+
+
+def test_ties_past_the_first_sizes_go_to_the_lower_page_index():
+    """Three centroid values over 600 pages (a 1024-slot search): slot j is high when
+    j % 12 == 2, mid when j % 12 == 5, low otherwise, so 50 high slots tie for the budget's
+    37 places by score, which go to the lowest: 2, 14, .., 434 (past the first 256 slots);
+    plus pages 0, 598 and 599."""
+    d, n = 16, 600
+    levels = np.array([-1.0, 0.5, 2.0])
+    cent = np.zeros((1, n + 4, d), np.float32)
+    table = np.arange(2, n + 2, dtype=np.int32)[None, :]
+    for j in range(n):
+        cent[0, table[0, j]] = levels[{2: 2, 5: 1}.get(j % 12, 0)]
+    q = np.ones((1, 2, d), np.float32)
+    phys, slots, count = select_page_lists(
+        pad_heads(jnp.asarray(q), 1), 2, jnp.asarray(cent), jnp.asarray(table),
+        jnp.asarray([n * P], jnp.int32), jnp.asarray([40], jnp.int32), page_size=P,
+        max_pages=40, interpret=INTERPRET)
+    got, _ = lists_as_sets(phys, slots, count)
+    assert got[0, 0] == [0] + list(range(2, 435, 12)) + [598, 599]
+
+
 def test_ties_go_to_the_lower_page_index():
     """Centroids with only three distinct values: most scores tie, and the lower slots win.
     Worked by hand: n = 12 pages, budget 6 -> pages 0, 10, 11 and the 3 best of slots 1..9.
