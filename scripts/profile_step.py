@@ -1,0 +1,140 @@
+"""Where a decode step's time goes: the engine's own decode chunks at a fixed context
+(``sparrow_jax.rollout.profile``) traced with ``jax.profiler``, and the device's events summed
+per name and divided by the steps traced, per trace line (on a GPU: XLA's ops, and the kernels
+of each stream).
+
+    XLA_PYTHON_CLIENT_MEM_FRACTION=0.9 PYTHONPATH=. python3 scripts/profile_step.py \
+        --mode sparse --rows 48 --context 128 --min-width 2048 --out $OUT/step_profile.json
+
+``--min-width``: the page table at least this many pages wide (short rows beside a long one,
+as in continuous refill). The rows hold pages for their context only, so any row count fits.
+With CUDA graphs on (XLA's default) the profiler may see a graph as one launch; the script
+turns them off (``--graphs`` keeps them): the kernels are the same, the gaps between them are
+not, so compare the sums with the step time printed beside them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import gzip
+import json
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.rollout.engine import RolloutConfig
+from sparrow_jax.rollout.profile import fixed_context_batch, time_context
+from sparrow_jax.schedule import BudgetSchedule
+
+
+def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
+    """The perfetto trace under ``trace_dir`` -> {trace line: {event name: [durations, us]}}
+    for the device's lines (all lines where the trace has no device, as on CPU)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise SystemExit(f"{trace_dir}: no perfetto_trace.json.gz (did the trace run?)")
+    with gzip.open(paths[0]) as f:
+        events = json.load(f)["traceEvents"]
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[e["pid"], e["tid"]] = e["args"]["name"]
+    devices = {pid for pid, name in process.items() if name.startswith("/device:")}
+    lines: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for e in events:
+        if e.get("ph") != "X" or (devices and e["pid"] not in devices):
+            continue
+        line = f"{process.get(e['pid'], e['pid'])} {thread.get((e['pid'], e.get('tid')), '')}"
+        lines[line.strip()][e["name"]].append(float(e.get("dur", 0.0)))
+    return lines
+
+
+def summarize(lines, steps: int, top: int) -> dict:
+    """Per line: its total and its ``top`` events by time, in us per step."""
+    out = {}
+    for line, names in lines.items():
+        rows = sorted(((sum(d) / steps, len(d) / steps, name) for name, d in names.items()),
+                      reverse=True)
+        out[line] = dict(total_us=sum(r[0] for r in rows),
+                         top=[dict(name=n, us=us, per_step=c) for us, c, n in rows[:top]])
+    return out
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="qwen3-1.7b", help="a preset of configs/models")
+    ap.add_argument("--mode", choices=("sparse", "dense"), default="sparse",
+                    help="sparse: the paper's qwen3-1.7b schedule; dense: every layer dense")
+    ap.add_argument("--rows", type=int, default=48)
+    ap.add_argument("--context", type=int, default=128, help="the timed chunks' mean context")
+    ap.add_argument("--min-width", type=int, default=0, help="page-table width at least")
+    ap.add_argument("--max-new", type=int, default=32768)
+    ap.add_argument("--prompt-len", type=int, default=32)
+    ap.add_argument("--repeats", type=int, default=2, help="timed chunks of 64 steps")
+    ap.add_argument("--top", type=int, default=25, help="events listed per trace line")
+    ap.add_argument("--dtype", default="bfloat16", help="float32 for CPU smoke tests")
+    ap.add_argument("--graphs", action="store_true", help="keep CUDA graphs on")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not args.graphs:     # read when the backend starts, at the first device use below
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_enable_command_buffer=").strip()
+    if args.context < args.prompt_len + 1 or args.context > args.prompt_len + args.max_new:
+        raise SystemExit(f"--context {args.context}: between --prompt-len + 1 "
+                         f"({args.prompt_len + 1}) and --prompt-len + --max-new "
+                         f"({args.prompt_len + args.max_new})")
+
+    cfg = ModelConfig.preset(args.model)
+    dtype = jnp.dtype(args.dtype)
+    model = init_model(cfg, dtype=dtype, param_dtype=dtype)
+    steps = 64
+    rc = RolloutConfig(n=1, max_new_tokens=args.max_new, temperature=1.0, eos_ids=(),
+                       table_bucket_pages=256, steps_per_call=steps, cache_dtype=dtype.name)
+    schedule = BudgetSchedule.paper("qwen3-1.7b") if args.mode == "sparse" else None
+    span = steps * (args.repeats + 3)
+    max_context = min(args.prompt_len + args.max_new, args.context + span)
+    batch, graphdef, params, state = fixed_context_batch(
+        model, rc, rows=args.rows, prompt_len=args.prompt_len, key=jax.random.key(0),
+        schedule=schedule, max_context=max_context)
+    timing = dict(repeats=args.repeats, min_width=args.min_width or None)
+    state, warm = time_context(batch, graphdef, params, state, args.context, **timing)
+    trace_dir = tempfile.mkdtemp(prefix="profile_step_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        state, timed = time_context(batch, graphdef, params, state, args.context, **timing)
+    # The trace holds time_context's untimed first chunk too.
+    traced_steps = steps * (args.repeats + 1)
+    step_us = 1e6 * min(timed.step_seconds)
+    lines = summarize(device_events(trace_dir), traced_steps, args.top)
+    dev = jax.devices()[0]
+    out = dict(argv=sys.argv[1:] if argv is None else argv, device=dev.device_kind,
+               backend=jax.default_backend(), jax=jax.__version__, model=args.model,
+               mode=args.mode, rows=args.rows, context=timed.mean_context,
+               table_width=timed.table_width, graphs=args.graphs, step_us=step_us,
+               step_us_warm_up=1e6 * min(warm.step_seconds), traced_steps=traced_steps,
+               lines=lines)
+    print(f"{dev.device_kind}: {args.model} {args.mode}, {args.rows} rows at context "
+          f"{timed.mean_context:.0f}, table {timed.table_width} pages, CUDA graphs "
+          f"{'on' if args.graphs else 'off'}: {step_us:.0f} us a step")
+    for line, entry in sorted(lines.items(), key=lambda kv: -kv[1]["total_us"]):
+        print(f"\n{line}: {entry['total_us']:.0f} us a step")
+        print("| us a step | launches a step | name |\n| --- | --- | --- |")
+        for r in entry["top"]:
+            print(f"| {r['us']:.1f} | {r['per_step']:.2f} | {r['name'][:100]} |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,51 @@
+"""scripts/profile_step.py's trace summary against a hand-built perfetto trace."""
+
+from __future__ import annotations
+
+import gzip
+import importlib.util
+import json
+import pathlib
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def profile_step():
+    spec = importlib.util.spec_from_file_location("profile_step",
+                                                  REPO / "scripts/profile_step.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def write_trace(folder: pathlib.Path, events) -> None:
+    run = folder / "plugins" / "profile" / "run"
+    run.mkdir(parents=True)
+    with gzip.open(run / "perfetto_trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": events}, f)
+
+
+def test_device_lines_summed_per_step(profile_step, tmp_path):
+    """Two steps traced on stream 7 of GPU 0: gemm 30 + 50 us, add 4 + 6 us -> 40 and 5 us a
+    step, one launch each a step; the host's events are left out."""
+    meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
+            {"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "pid": 2, "tid": 7, "name": "thread_name",
+             "args": {"name": "Stream #7"}}]
+    x = [dict(ph="X", pid=2, tid=7, ts=t, dur=d, name=n)
+         for t, d, n in [(0, 30, "gemm"), (40, 4, "add"), (50, 50, "gemm"), (110, 6, "add")]]
+    write_trace(tmp_path, meta + x + [dict(ph="X", pid=1, tid=1, ts=0, dur=999, name="host")])
+    out = profile_step.summarize(profile_step.device_events(str(tmp_path)), steps=2, top=5)
+    assert list(out) == ["/device:GPU:0 Stream #7"]
+    line = out["/device:GPU:0 Stream #7"]
+    assert line["total_us"] == pytest.approx(45.0)
+    assert [(r["name"], r["us"], r["per_step"]) for r in line["top"]] == [
+        ("gemm", 40.0, 1.0), ("add", 5.0, 1.0)]
+
+
+def test_no_trace_is_named(profile_step, tmp_path):
+    with pytest.raises(SystemExit, match="no perfetto_trace"):
+        profile_step.device_events(str(tmp_path))
