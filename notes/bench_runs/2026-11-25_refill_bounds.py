@@ -5,15 +5,23 @@ bench_rollout.py --phase refill-model replays them (checked: the predictions bel
 JSON's), then priced with the measured step times (sparrow_jax.rollout.chunk_time) under
 three what-ifs:
 
-- any schedule at all: each step costs at least the per-step term A at the narrowest table
-  the run uses, and there are at least as many steps as the longest cap; the rows' own cost
-  (their K/V reads and per-row work, `rows_only`) is paid whatever the slots. So refill
-  takes at least rows_only + max(caps) x min A, and static / that bounds refill/static.
+- any admission order: the rows' own cost (their K/V reads and per-row work, `rows_only`) is
+  paid whatever the slots and order (static / rows_only bounds refill/static for any slot
+  count); with the run's slot count, each step also costs at least the per-step term A at
+  the narrowest table it uses, and there are at least as many steps as the longest cap. So
+  refill takes at least rows_only + max(caps) x min A, and static / that bounds refill/static
+  for these slots in any order.
 - free sparse attention: the sparse run with every row priced at the shortest measured
   context (its attention at ~128 tokens), which bounds sparse/dense for any sparse kernel.
 - the table's width free: the sparse run with the per-step term A at the narrowest table
   (what a step of short rows costs in a 256-page table) whatever the chunk's width. Where a
   long row widens a chunk's table, every row's scoring and selection cover that width today.
+- slot buckets: each refill chunk's per-step term at the smallest of 8, 16, 32 slots that
+  holds its running rows (as if the running rows were moved into a narrower batch once the
+  queue is empty), with A at S slots interpolated linearly in S between the two slot counts
+  measured (the static batch's and refill's), an extrapolation below the static batch.
+- other slot counts (8K): the replay at 48 .. 128 slots in the same pool, each chunk's
+  per-step term linear in the slot count as above.
 - the GRPO step: the refill rollouts plus training (dense recompute + update) at the seconds
   per response token measured at 32K (scripts/refill_gpu.sh grpo-32k, step 1 of the sparse
   schedule; that call ran out of time in the dense schedule, see its log). Training does not
@@ -63,6 +71,24 @@ def free_attention(t: SlotStepTimes) -> SlotStepTimes:
                          np.full_like(t.lone_ms, t.lone_ms[0]))
 
 
+def own_cost(chunks, times: SlotStepTimes) -> float:
+    """The rows' own seconds in ``chunks`` (no per-step term)."""
+    return predict_seconds(chunks, times.rows_only())
+
+
+def slot_term(entry, batch, slots, chunk, size=None) -> float:
+    """A (ms) for ``chunk`` run on ``size`` slots (default: the smallest bucket of 8, 16, 32
+    slots holding its rows, the full slot count otherwise), linear in the slot count between
+    the measured two (``batch`` and ``slots``)."""
+    running = len(chunk["contexts"])
+    size = size or next((b for b in (8, 16, 32) if running <= b < slots), slots)
+    at = {}
+    for name in ("static", "refill"):
+        widths, ms = zip(*sorted(tuple(x) for x in entry[name]["short"]))
+        at[name] = np.interp(chunk["width"], widths, ms)
+    return at["static"] + (at["refill"] - at["static"]) * (size - batch) / (slots - batch)
+
+
 for cap, files in RUNS.items():
     runs = {m: json.load(open(os.path.join(HERE, f))) for m, f in files.items()}
     meta = runs["sparse"]
@@ -89,15 +115,33 @@ for cap, files in RUNS.items():
         st, rf = predict_seconds(static, t_static), predict_seconds(refill, t_refill)
         for name, got in (("static", st), ("refill", rf)):
             assert abs(got / entry[name]["seconds"] - 1) < 1e-6, (mode, name, got)
-        own = predict_seconds(refill, t_refill.rows_only())
+        own = own_cost(refill, t_refill)
         floor = own + max(caps) * t_refill.width_ms.min() / 1e3
         measured = {k: f"{entry[k]['measured_s']:.1f}" if "measured_s" in entry[k] else "-"
                     for k in ("static", "refill")}
         seconds[mode] = rf
         print(f"  {mode}: static {st:.1f} s, refill {rf:.1f} s (measured "
               f"{measured['static']} / {measured['refill']}): {st / rf:.2f}x; "
-              f"rows' own cost {own:.1f} s, + {max(caps)} steps at A {floor - own:.1f} s -> "
-              f"refill/static at most {st / floor:.2f}x with any slots or order")
+              f"rows' own cost {own:.1f} s (at most {st / own:.2f}x, any slots), + "
+              f"{max(caps)} steps at A {floor - own:.1f} s -> at most {st / floor:.2f}x with "
+              f"{slots} slots, any order")
+        bucketed = own + sum(ch["steps"] * slot_term(entry, batch, slots, ch)
+                             for ch in refill if ch["steps"]) / 1e3
+        print(f"  {mode}: with slot buckets refill {bucketed:.1f} s, {st / bucketed:.2f}x")
+        seconds[mode + "_buckets"] = bucketed
+        if cap == 8192:
+            sweep = []
+            for alt in (48, 64, 80, 96, 128):
+                chunks = simulate_refill(lengths, caps, n=1, slots=alt, num_pages=pool,
+                                         page_size=p, steps_per_call=c, width=width,
+                                         prefill_rows=PREFILL_ROWS,
+                                         table_bucket_pages=rc.table_bucket_pages,
+                                         page_seed=rc.page_seed)[0]
+                alt_s = own_cost(chunks, t_refill) + sum(
+                    ch["steps"] * slot_term(entry, batch, slots, ch, size=alt)
+                    for ch in chunks if ch["steps"]) / 1e3
+                sweep.append(f"{alt}: {st / alt_s:.2f}x")
+            print(f"  {mode}: refill/static by slot count, same pool: {', '.join(sweep)}")
         if mode == "sparse":
             seconds["sparse_free"] = predict_seconds(refill, free_attention(t_refill))
             narrow = dataclasses.replace(t_refill, width_ms=np.full_like(
@@ -108,6 +152,8 @@ for cap, files in RUNS.items():
     print(f"  sparse/dense refill {d / s:.2f}x; with sparse attention free {d / f:.2f}x "
           f"(sparse {f:.1f} s); with the table's width free (A at its narrowest) "
           f"{d / n:.2f}x (sparse {n:.1f} s)")
+    print(f"  sparse/dense refill with slot buckets "
+          f"{seconds['dense_buckets'] / seconds['sparse_buckets']:.2f}x")
     if cap == 32768:
         train = TRAIN_S_PER_TOKEN * caps.sum()
         print(f"  GRPO step: training {train:.1f} s ({TRAIN_S_PER_TOKEN * 1e6:.1f} us a token); "
