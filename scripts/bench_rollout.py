@@ -447,6 +447,7 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
             now, comp = time.perf_counter(), _compile_seconds[0]
             ctx = info["contexts"]
             trace.append(dict(width=info["width"], steps=info["steps"], rows=len(ctx),
+                              slots=info["slots"],
                               context_sum=int(ctx.sum()), context_max=int(ctx.max()),
                               contexts=sorted(ctx.tolist()), prefills=info["prefills"],
                               chunk_seconds=info["chunk_seconds"],
@@ -457,7 +458,7 @@ def phase_refill(args, model, cfg, ceiling, wbytes, out, mesh):
             clock[:] = time.perf_counter(), _compile_seconds[0]
             ro, st = run_refill(model, prompts, rc, key, schedule=sched, slots=slots,
                                 max_new_tokens=caps, prefill_rows=args.prefill_rows,
-                                on_chunk=on_chunk)
+                                tail_slots=args.tail_slots or None, on_chunk=on_chunk)
             stats.append(dataclasses.asdict(st))
             return np.asarray(ro.response_lengths)
 
@@ -498,7 +499,8 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
                                       page_size=p, steps_per_call=c, width=width,
                                       prefill_rows=args.prefill_rows,
                                       table_bucket_pages=rc.table_bucket_pages,
-                                      page_seed=rc.page_seed)[0],
+                                      page_seed=rc.page_seed,
+                                      tail_slots=args.tail_slots or None)[0],
             "static": static_chunks(lengths, caps, batch=args.batch, page_size=p,
                                     steps_per_call=c, width=width,
                                     table_bucket_pages=rc.table_bucket_pages)}
@@ -537,19 +539,29 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
         batch = state = None                 # the pool freed before the next is built
         times = {"static": SlotStepTimes.from_points(args.batch, short, points(rows),
                                                      lone=points(lone))}
-        # The slots hold a short context's pages only (time_context's span past the start).
-        batch, graphdef, params, state = fixed_context_batch(
-            model, rc, rows=slots, prompt_len=args.prompt_len, key=key, schedule=sched,
-            max_context=args.prompt_len + c * (args.repeats + 3))
-        _, slot_short = short_points(batch, graphdef, params, state, runs["refill"])
-        batch = state = None
-        times["refill"] = times["static"].with_slots(slots, slot_short)
+        # Each slot count refill's chunks run at (fewer in a narrowed tail), its per-step term
+        # at the widths they use; the slots hold a short context's pages only
+        # (time_context's span past the start).
+        slot_short = {}
+        for count in sorted({ch["slots"] for ch in runs["refill"]}, reverse=True):
+            batch, graphdef, params, state = fixed_context_batch(
+                model, rc, rows=count, prompt_len=args.prompt_len, key=key, schedule=sched,
+                max_context=args.prompt_len + c * (args.repeats + 3))
+            _, slot_short[count] = short_points(
+                batch, graphdef, params, state, [ch for ch in runs["refill"]
+                                                 if ch["slots"] == count])
+            batch = state = None
+        times["refill"] = {count: times["static"].with_slots(count, points_)
+                           for count, points_ in slot_short.items()}
         entry["per_row"], entry["lone_row"] = rows, lone
         for run, chunks in runs.items():
             seconds = predict_seconds(chunks, times[run])
-            entry[run] = dict(slots=times[run].slots,
-                              short=short if run == "static" else slot_short,
+            entry[run] = dict(slots=slots if run == "refill" else args.batch,
+                              short=short if run == "static" else slot_short[slots],
                               seconds=seconds, tokens_per_s=int(caps.sum()) / seconds)
+            if run == "refill" and len(slot_short) > 1:
+                entry[run]["tail_short"] = {str(k): v for k, v in slot_short.items()
+                                            if k != slots}
             got = (measured or {}).get("modes", {}).get(mode, {}).get(run)
             if got:
                 entry[run].update(measured_s=got["seconds"], error=seconds / got["seconds"] - 1)
@@ -561,7 +573,8 @@ def phase_refill_model(args, model, cfg, ceiling, wbytes, out, mesh):
         # What bounds refill's gain: the rows' own cost (K/V reads, per-row work) is the same
         # whatever the slots; only the per-step term shrinks.
         # (Not positive where step times are noise against a tiny model's rows: no bound.)
-        entry["rows_only_s"] = predict_seconds(runs["refill"], times["refill"].rows_only())
+        entry["rows_only_s"] = predict_seconds(
+            runs["refill"], {k: t.rows_only() for k, t in times["refill"].items()})
         if entry["rows_only_s"] > 0:
             entry["speedup_bound"] = entry["static"]["seconds"] / entry["rows_only_s"]
             print(f"  {mode}: refill/static {entry['speedup']:.2f}x; the rows' own cost "
@@ -693,6 +706,9 @@ def main(argv=None):
     ap.add_argument("--slots", type=int, default=0, help="refill: decode slots (0: --batch)")
     ap.add_argument("--prefill-rows", type=int, default=0,
                     help="refill: rows per admission call (one compilation; 0: 16 or the slots)")
+    ap.add_argument("--tail-slots", type=int, default=0,
+                    help="refill: once nothing is queued, run the last rows on fewer slots, "
+                         "down to this many (run_refill's tail_slots; 0: never)")
     ap.add_argument("--length-mix", choices=KINDS, default="lognormal",
                     help="refill: the per-prompt caps' mix")
     ap.add_argument("--refill-json", default=None,

@@ -26,6 +26,12 @@ def test_step_model_by_hand():
     assert five.slots == 5 and five.step_ms(6, [15, 10]) == pytest.approx(5.0 + 1.5 + 1.0)
     with pytest.raises(ValueError, match="short-context point"):
         times.with_slots(5, [])
+    # A narrowed tail: each chunk at its own slot count's times, 2 steps at 5 slots (7.5 ms)
+    # then 3 at 2 (3 ms).
+    tail = [dict(width=6, steps=2, slots=5, contexts=[14, 9]), dict(width=6, steps=3, slots=2,
+                                                                   contexts=[13.5])]
+    assert predict_seconds(tail, {5: five, 2: times}) == pytest.approx(
+        (2 * 7.5 + 3 * 3.0) * 1e-3)
 
 
 def test_lone_row_by_hand():

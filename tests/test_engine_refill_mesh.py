@@ -1,6 +1,7 @@
 """Continuous refill under a device mesh against the static engine on the same mesh: the same
 samples with 2, 5 and 16 slots per row shard, with and without preemption, per-prompt caps
-included; every sample back once, every page of every shard's pool free. Meshes (8, 1, 1): a
+included (with them the tail narrows to fewer slots); every sample back once, every page of
+every shard's pool free. Meshes (8, 1, 1): a
 queue and pool per data shard, two of them with no prompts; (2, 2, 2): rows over data x fsdp,
 KV heads over tensor. Each run's chunks are also those its host-side replay
 (``simulate_refill``) predicts.
@@ -79,21 +80,28 @@ def main(argv: list[str]) -> None:
         for caps in (None, CAPS):
             ref = generate(model, _prompts(), config, key, schedule, mesh=mesh,
                            max_new_tokens=caps)
+            # With the caps, the tail narrows to as few as 1 slot per shard (rows gathered
+            # within each shard).
+            tail = shards if caps is not None else None
             for slots, pool in runs:
                 chunks = []
                 got, stats = run_refill(model, _prompts(),
                                         dataclasses.replace(config, num_pages=pool), key,
                                         schedule, slots=slots * shards, max_new_tokens=caps,
-                                        mesh=mesh, on_chunk=chunks.append)
+                                        mesh=mesh, on_chunk=chunks.append, tail_slots=tail)
                 # No EOS here: the host's replay gives the same chunks per shard.
                 sim, sim_stats = simulate_refill(
                     LENGTHS, caps or (R,) * len(LENGTHS), n=N, slots=slots * shards,
                     shards=shards, num_pages=pool, page_size=P, steps_per_call=3,
-                    width=-(-(32 + R) // P), page_seed=3)
-                assert sim_stats == stats and [(c["width"], c["steps"]) for c in sim] == [
-                    (c["width"], c["steps"]) for c in chunks]
+                    width=-(-(32 + R) // P), page_seed=3, tail_slots=tail)
+                assert sim_stats == stats and [
+                    (c["width"], c["steps"], c["slots"]) for c in sim] == [
+                    (c["width"], c["steps"], c["slots"]) for c in chunks]
                 assert all((a["contexts"] == b["contexts"]).all() for a, b in zip(sim, chunks))
-                label = f"mesh {shape}, caps {caps is not None}, {slots} slots/shard, pool {pool}"
+                if tail and slots > 1:
+                    assert min(c["slots"] for c in chunks) < slots * shards
+                label = (f"mesh {shape}, caps {caps is not None}, {slots} slots/shard, pool "
+                         f"{pool}, tail {tail}")
                 _compare(ref, got, key, label)
                 np.testing.assert_array_equal(np.asarray(got.response_lengths),
                                               np.asarray(ref.response_lengths))

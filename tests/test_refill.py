@@ -13,6 +13,7 @@ from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.rollout.refill import generate_refill, run_refill
+from sparrow_jax.rollout.refill_schedule import RefillScheduler, simulate_refill
 from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.schedule import BudgetSchedule
 
@@ -80,9 +81,10 @@ def _check_same(got, want):
         np.testing.assert_array_equal(g[3], w[3])
 
 
-def _run(model, temperature, schedule_name, slots, pool, prefill_rows):
+def _run(model, temperature, schedule_name, slots, pool, prefill_rows, **kw):
     ro, stats = run_refill(model, _prompts(), _config(temperature, pool), jax.random.key(5),
-                           SCHEDULES[schedule_name], slots=slots, prefill_rows=prefill_rows)
+                           SCHEDULES[schedule_name], slots=slots, prefill_rows=prefill_rows,
+                           **kw)
     # Every sample came back exactly once (each row written by one harvest), every page freed.
     assert stats.admissions - stats.preemptions == stats.returned == len(LENGTHS) * N
     assert len(np.unique(np.asarray(ro.prompt_index))) == len(LENGTHS)
@@ -92,9 +94,9 @@ def _run(model, temperature, schedule_name, slots, pool, prefill_rows):
     return ro, stats
 
 
-def _check_case(model, temperature, schedule_name, slots, pool, prefill_rows=None):
+def _check_case(model, temperature, schedule_name, slots, pool, prefill_rows=None, **kw):
     want = _static(model, temperature, schedule_name)
-    ro, stats = _run(model, temperature, schedule_name, slots, pool, prefill_rows)
+    ro, stats = _run(model, temperature, schedule_name, slots, pool, prefill_rows, **kw)
     # The small pool forces preemption; the big one holds every row at full length.
     assert (stats.preemptions > 0) == (pool == SMALL_POOL), stats
     _check_same(ro, want)
@@ -114,6 +116,51 @@ def test_refill_equals_static(model, temperature, schedule_name, slots, pool, pr
     ro, stats = _check_case(model, temperature, schedule_name, slots, pool, prefill_rows)
     if prefill_rows < slots:   # the big pool admits all 15 samples at once: in 4 calls of 4
         assert stats.prefills == 4, stats
+
+
+@pytest.mark.parametrize("temperature,schedule_name,slots,pool,prefill_rows,tail", [
+    (1.0, "sparse", 16, SMALL_POOL, 4, 2), (1.0, "dense", 5, BIG_POOL, None, 1)])
+def test_a_narrower_tail_keeps_the_samples(model, temperature, schedule_name, slots, pool,
+                                           prefill_rows, tail):
+    """The last rows moved onto fewer slots once the queue is empty (with preemption in the
+    small pool): the same samples as the static engine, each back once, every page free."""
+    chunks = []
+    _check_case(model, temperature, schedule_name, slots, pool, prefill_rows, tail_slots=tail,
+                on_chunk=chunks.append)
+    assert min(c["slots"] for c in chunks) < slots
+
+
+def test_a_running_row_moved_to_a_lower_slot_keeps_its_stream(model, monkeypatch):
+    """No EOS, the per-prompt caps CAPS, 5 slots, ``tail_slots=1``: the tail narrows to 4,
+    then 2 slots, a running row in a higher slot moving down (the replay shows it), and the
+    moved rows sample their remaining tokens at temperature 1 as the static engine does."""
+    config = dataclasses.replace(_config(1.0, BIG_POOL), eos_ids=())
+    want = generate(model, _prompts(), config, jax.random.key(5), max_new_tokens=CAPS)
+    chunks = []
+    ro, _ = run_refill(model, _prompts(), config, jax.random.key(5), slots=5, tail_slots=1,
+                       max_new_tokens=CAPS, on_chunk=chunks.append)
+    _check_same(ro, want)
+    assert [c["slots"] for c in chunks][-2:] == [4, 2]
+    moves, narrow = [], RefillScheduler.narrow
+
+    def watched(self, floor):
+        before = [h is not None for h in self.held]
+        src = narrow(self, floor)
+        if src is not None:
+            moves.append(any(before[s] and s != j for j, s in enumerate(src)))
+        return src
+
+    monkeypatch.setattr(RefillScheduler, "narrow", watched)
+    sim, _ = simulate_refill(LENGTHS, CAPS, n=N, slots=5, num_pages=BIG_POOL, page_size=P,
+                             steps_per_call=3, width=-(-(32 + R) // P), page_seed=3,
+                             tail_slots=1)
+    assert [c["slots"] for c in sim] == [c["slots"] for c in chunks] and any(moves)
+
+
+def test_tail_slots_are_checked(model):
+    with pytest.raises(ValueError, match="tail_slots must be .* got 3"):
+        generate_refill(model, _prompts(), _config(0.0, BIG_POOL), jax.random.key(0), slots=2,
+                        tail_slots=3)
 
 
 @pytest.mark.slow

@@ -26,9 +26,10 @@ def model():
     return init_model(CFG, seed=0)
 
 
-@pytest.mark.parametrize("slots,pool,prefill_rows,bucket", [
-    (2, 11, 2, None), (5, 11, None, None), (4, 200, 2, 4)])
-def test_simulated_chunks_are_the_real_ones(model, slots, pool, prefill_rows, bucket):
+@pytest.mark.parametrize("slots,pool,prefill_rows,bucket,tail", [
+    (2, 11, 2, None, None), (5, 11, None, None, None), (4, 200, 2, 4, None),
+    (8, 11, 2, None, 1), (16, 200, 4, None, 2)])
+def test_simulated_chunks_are_the_real_ones(model, slots, pool, prefill_rows, bucket, tail):
     rng = np.random.default_rng(0)
     prompts = [rng.integers(1, V, n).tolist() for n in LENGTHS]
     config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
@@ -36,23 +37,30 @@ def test_simulated_chunks_are_the_real_ones(model, slots, pool, prefill_rows, bu
                            table_bucket_pages=bucket, num_pages=pool)
     real = []
     _, stats = run_refill(model, prompts, config, jax.random.key(1), slots=slots,
-                          prefill_rows=prefill_rows, max_new_tokens=CAPS, on_chunk=real.append)
+                          prefill_rows=prefill_rows, max_new_tokens=CAPS, on_chunk=real.append,
+                          tail_slots=tail)
     width = -(-(32 + R) // P)     # the padded prompt width + R, in pages
     sim, sim_stats = simulate_refill(LENGTHS, CAPS, n=N, slots=slots, num_pages=pool,
                                      page_size=P, steps_per_call=3, width=width,
                                      prefill_rows=prefill_rows, table_bucket_pages=bucket,
-                                     page_seed=3)
+                                     page_seed=3, tail_slots=tail)
     assert sim_stats == stats
     assert len(sim) == len(real) == stats.chunks
     assert sum(r["prefills"] for r in real) == stats.prefills
     assert all(r["chunk_seconds"] > 0 for r in real)
     for i, (s, r) in enumerate(zip(sim, real)):
-        assert (s["width"], s["steps"]) == (r["width"], r["steps"]), i
+        assert (s["width"], s["steps"], s["slots"]) == (r["width"], r["steps"], r["slots"]), i
         np.testing.assert_array_equal(s["contexts"], r["contexts"], err_msg=str(i))
     if slots == 5:             # the small pool preempted
         assert stats.preemptions > 0
     if bucket is not None:     # the widths followed the longest row
         assert len({c["width"] for c in real}) >= 2
+    slot_counts = [c["slots"] for c in real]
+    if tail is None:
+        assert set(slot_counts) == {slots}
+    else:                      # the tail ran narrower, never widening again
+        assert slot_counts[0] == slots and min(slot_counts) < slots
+        assert slot_counts == sorted(slot_counts, reverse=True)
 
 
 def test_growth_continues_a_contiguous_run():

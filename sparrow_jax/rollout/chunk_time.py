@@ -97,9 +97,14 @@ class SlotStepTimes:
         return t
 
 
-def predict_seconds(chunks: list[dict], times: SlotStepTimes) -> float:
-    """Seconds of decode steps in ``chunks`` (dicts of ``width``, ``steps``, ``contexts``)."""
-    return sum(c["steps"] * times.step_ms(c["width"], np.asarray(c["contexts"]) + c["steps"] / 2)
+def predict_seconds(chunks: list[dict], times: SlotStepTimes | dict[int, SlotStepTimes]
+                    ) -> float:
+    """Seconds of decode steps in ``chunks`` (dicts of ``width``, ``steps``, ``contexts``, and
+    ``slots`` where ``times`` maps slot counts to their times: a run whose tail narrows)."""
+    def of(c):
+        return times[c["slots"]] if isinstance(times, dict) else times
+
+    return sum(c["steps"] * of(c).step_ms(c["width"], np.asarray(c["contexts"]) + c["steps"] / 2)
                for c in chunks if c["steps"]) / 1e3
 
 

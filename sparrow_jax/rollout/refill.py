@@ -61,7 +61,7 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
                     prompt_ids: Sequence[int] | None = None,
                     schedule_bound: BudgetSchedule | None = None,
                     max_new_tokens: int | Sequence[int] | None = None,
-                    mesh: Mesh | None = None) -> Rollout:
+                    mesh: Mesh | None = None, tail_slots: int | None = None) -> Rollout:
     """:func:`~sparrow_jax.rollout.engine.generate` with ``slots`` decode slots refilled as rows
     finish, pages allocated as rows grow from a pool of ``config.num_pages`` (sized as
     :func:`~sparrow_jax.rollout.engine.pool_size` says). Same arguments and result layout (rows
@@ -77,11 +77,16 @@ def generate_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConf
     equal contiguous parts, one per row shard (``data`` x ``fsdp``), each shard with its own
     queue, pool of ``num_pages`` and ``slots / shards`` slots (``slots`` a multiple of the
     shards); the chunks run every shard at once, the KV heads split over ``tensor``. Same
-    tokens per sample as without it, up to float rounding in the logits."""
+    tokens per sample as without it, up to float rounding in the logits.
+
+    ``tail_slots``: once no sample is queued, the last rows run on fewer slots: the smallest
+    power of two per row shard, ``tail_slots / shards`` at least, that holds each shard's
+    running rows (every slot costs each step its LM head and sampling, running or idle; a
+    compilation per slot count). None: the run keeps its ``slots``. Same tokens per sample."""
     return run_refill(model, prompts, config, key, schedule, slots=slots,
                       prefill_rows=prefill_rows, lora=lora, prompt_ids=prompt_ids,
                       schedule_bound=schedule_bound, max_new_tokens=max_new_tokens,
-                      mesh=mesh)[0]
+                      mesh=mesh, tail_slots=tail_slots)[0]
 
 
 def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key: jax.Array,
@@ -90,12 +95,14 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                prompt_ids: Sequence[int] | None = None,
                schedule_bound: BudgetSchedule | None = None,
                max_new_tokens: int | Sequence[int] | None = None, mesh: Mesh | None = None,
+               tail_slots: int | None = None,
                on_chunk: Callable[[dict], None] | None = None
                ) -> tuple[Rollout, RefillStats]:
     """:func:`generate_refill` -> (rollout, :class:`RefillStats`). ``on_chunk(info)``, if
     given, is called after each chunk (its results on the host) with ``width`` (page-table
-    columns), ``steps`` (decode steps it ran) and ``contexts`` (``[rows]``: the cached tokens
-    of the rows it decoded, at its start): what a step-time model needs
+    columns), ``steps`` (decode steps it ran), ``slots`` (the rows it ran, idle ones
+    included) and ``contexts`` (``[rows]``: the cached tokens of the rows it decoded, at its
+    start): what a step-time model needs
     (``scripts/bench_rollout.py --phase refill``); and with ``prefills`` (admission calls
     before it) and ``chunk_seconds`` (from its dispatch to its results on the host: the rest
     of a chunk's time is the host's and the admissions')."""
@@ -116,6 +123,9 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
     if prefill_rows is not None and not 1 <= prefill_rows <= per:
         raise ValueError(f"generate_refill: prefill_rows must be in [1, slots per row shard="
                          f"{per}], got {prefill_rows}")
+    if tail_slots is not None and not (1 <= tail_slots <= slots and tail_slots % groups == 0):
+        raise ValueError(f"generate_refill: tail_slots must be a multiple of the mesh's "
+                         f"{groups} row shard(s) in [1, slots={slots}], got {tail_slots}")
     if schedule is not None and schedule.page_size != config.page_size:
         raise ValueError(f"the schedule counts pages of {schedule.page_size} tokens, the cache "
                          f"{config.page_size}")
@@ -183,9 +193,16 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         if on_chunk is not None:
             on_chunk(dict(width=w, contexts=np.fromiter(contexts.values(), np.int64),
                           steps=int(max(cache_lengths[s] - b for s, b in contexts.items())),
-                          prefills=prefills, chunk_seconds=chunk_seconds))
+                          slots=len(finish), prefills=prefills, chunk_seconds=chunk_seconds))
         if (dst < sched.result_rows).any():
             out = _collect(out, state, _put_rows(dst, mesh), mesh=mesh)
+        if tail_slots and sched.busy:
+            per_old = len(sched.shards[0].slots)
+            if (src := sched.narrow(tail_slots // groups)) is not None:
+                # Under a mesh each shard gathers its own rows: indices local to the shard.
+                new = len(sched.shards[0].slots)
+                local = src - np.repeat(np.arange(groups, dtype=np.int32) * per_old, new)
+                state = _take_rows(state, _put_rows(local, mesh), mesh=mesh)
 
     if groups * sched.result_rows > num_rows:   # placeholder rows: replicate, cut
         if mesh is not None:
@@ -312,6 +329,30 @@ def _collect(out: Rollout, state: LoopState, dst: jax.Array, mesh: Mesh | None) 
     out_specs = jax.tree.map(lambda _: rows, out)
     return jax.shard_map(body, mesh=mesh, in_specs=(out_specs, loop_specs(state.cache), rows),
                          out_specs=out_specs, check_vma=False)(out, state, dst)
+
+
+@functools.partial(jax.jit, static_argnames=("mesh",), donate_argnames=("state",))
+def _take_rows(state: LoopState, src: jax.Array, mesh: Mesh | None) -> LoopState:
+    """``state``'s rows ``src [S']`` (the pool kept): the loop state of fewer slots. Under
+    ``mesh``, per row shard (``src`` local to the shard's slots)."""
+
+    def body(state, src):
+        def take(x, axis=0):
+            return None if x is None else jnp.take(x, src, axis=axis)
+
+        cache = state.cache.replace(
+            page_table=take(state.cache.page_table), lengths=take(state.cache.lengths),
+            partial_sum=take(state.cache.partial_sum, 1),
+            partial_min=take(state.cache.partial_min, 1),
+            partial_max=take(state.cache.partial_max, 1))
+        return LoopState(cache=cache, **{f: take(getattr(state, f))
+                                         for f in LoopState._fields if f != "cache"})
+
+    if mesh is None:
+        return body(state, src)
+    specs = loop_specs(state.cache)
+    return jax.shard_map(body, mesh=mesh, in_specs=(specs, PartitionSpec(ROWS)),
+                         out_specs=specs, check_vma=False)(state, src)
 
 
 def _empty_state(model_config, num_pages, slots, t, r, k, config, cache_dtype, key,

@@ -317,6 +317,31 @@ class RefillScheduler:
                     self._release(sh, s)
         return dst
 
+    def narrow(self, floor: int) -> np.ndarray | None:
+        """Once no shard has samples queued (the run's tail): when every shard's running rows
+        fit in a power of two of slots, ``floor`` at least, below the shard's slots, moves each
+        shard's running rows to its first slots and drops the rest -> ``[G * per]`` the old
+        slot of each new slot (the shard's free slots fill it up), or None (no change). Rows
+        keep their pages and order; a preempted sample readmitted later gets a free slot of
+        the narrower shard (its own slot came free)."""
+        if any(sh.queue for sh in self.shards):
+            return None
+        old = len(self.shards[0].slots)
+        running = [[s for s in sh.slots if self.held[s] is not None] for sh in self.shards]
+        most = max(len(r) for r in running)
+        per = max(floor, 1 << max(most - 1, 0).bit_length())
+        if per >= old:
+            return None
+        src = []
+        for g, (sh, run) in enumerate(zip(self.shards, running)):
+            src += (run + [s for s in sh.slots if self.held[s] is None])[:per]
+            sh.slots = range(g * per, (g + 1) * per)
+        src = np.asarray(src, np.int32)
+        self.held = [self.held[s] for s in src]
+        self.table = self.table[src]
+        self.counters["narrowed"] += 1
+        return src
+
     def stats(self) -> RefillStats:
         return RefillStats(
             chunks=self.counters["chunks"], admissions=self.counters["admissions"],
@@ -332,11 +357,13 @@ def simulate_refill(prompt_lengths, caps, *, n: int, slots: int, num_pages: int,
                     page_size: int, steps_per_call: int, width: int,
                     prefill_rows: int | None = None, table_bucket_pages: int | None = None,
                     page_seed: int | None = None, contiguous_pages: bool = False,
-                    shards: int = 1) -> tuple[list[dict], RefillStats]:
+                    shards: int = 1, tail_slots: int | None = None
+                    ) -> tuple[list[dict], RefillStats]:
     """The chunks of a refill run whose rows all run to their caps (no EOS, no stop
     sequences), without a device -> (one dict per chunk, as ``run_refill``'s ``on_chunk``
-    gets: ``width``, ``steps``, ``contexts``; the run's stats). Arguments as
-    :class:`RefillScheduler` takes them; with the same ones the real run's chunks are these.
+    gets: ``width``, ``steps``, ``contexts``, ``slots``; the run's stats). Arguments as
+    :class:`RefillScheduler` and ``run_refill`` (``tail_slots``) take them; with the same ones
+    the real run's chunks are these.
 
     A row admitted with prompt length L has L tokens cached and its first token sampled (a cap
     of 1 finishes it there); each decode step caches one more and samples one more, until the
@@ -367,11 +394,13 @@ def simulate_refill(prompt_lengths, caps, *, n: int, slots: int, num_pages: int,
         take = np.minimum(left, steps)
         cached[running] += take
         sampled[running] += take
-        finished = np.zeros(slots, bool)
+        finished = np.zeros(len(sched.held), bool)
         finished[running] = sampled[running] >= cap[running]
         sched.harvest(finished, cached)
-        chunks.append(dict(width=w, steps=steps,
+        chunks.append(dict(width=w, steps=steps, slots=len(sched.held),
                            contexts=np.fromiter(contexts.values(), np.int64)))
+        if tail_slots and sched.busy and (src := sched.narrow(tail_slots // shards)) is not None:
+            cached, sampled, cap = cached[src], sampled[src], cap[src]
     return chunks, sched.stats()
 
 
