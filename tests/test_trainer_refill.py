@@ -39,14 +39,16 @@ def _metrics(run_dir):
             for r in rows]
 
 
-def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
+@pytest.mark.parametrize("tail", [None, 1])
+def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch, tail):
+    """With ``refill_tail_slots`` too: each step's last rows narrowed onto fewer slots."""
     static, refill = tmp_path / "static", tmp_path / "refill"
     a = trainer_mod.train(_cfg(static))
     calls, run = [], refill_mod.run_refill
-    monkeypatch.setattr(refill_mod, "run_refill",
-                        lambda *a, **k: calls.append(k["slots"]) or run(*a, **k))
-    b = trainer_mod.train(_cfg(refill, refill_slots=3))
-    assert calls == [3, 3, 3]
+    monkeypatch.setattr(refill_mod, "run_refill", lambda *a, **k: calls.append(
+        (k["slots"], k["tail_slots"])) or run(*a, **k))
+    b = trainer_mod.train(_cfg(refill, refill_slots=3, refill_tail_slots=tail))
+    assert calls == [(3, tail)] * 3
     ms, mr = _metrics(static), _metrics(refill)
     assert len(ms) == 3 and [sorted(m) for m in ms] == [sorted(m) for m in mr]
     # The same tokens (so rewards and lengths) on every backend. The behaviour log-probs come
@@ -80,3 +82,7 @@ def test_refill_rollouts_train_as_static_ones(tmp_path, monkeypatch):
 def test_refill_slots_are_checked(tmp_path):
     with pytest.raises(ConfigError, match="rollout.refill_slots must be an int >= 1"):
         _cfg(tmp_path, refill_slots=0)
+    for bad in (dict(refill_slots=3, refill_tail_slots=4), dict(refill_tail_slots=2),
+                dict(refill_slots=3, refill_tail_slots=0)):
+        with pytest.raises(ConfigError, match="rollout.refill_tail_slots must be an int in"):
+            _cfg(tmp_path, **bad)

@@ -73,7 +73,9 @@ class RolloutSettings:
     ``max_new_tokens``). ``refill_slots``: sample with continuous refill
     (:func:`~sparrow_jax.rollout.refill.generate_refill`: this many decode slots refilled as
     rows finish, pages allocated as rows grow; the same tokens per sample); None: static
-    batches. Refill runs on one device (no mesh yet)."""
+    batches. ``refill_tail_slots``: with refill, the run's tail (nothing left to admit) narrows
+    onto fewer slots, down to this many (``generate_refill``'s ``tail_slots``; the same tokens
+    per sample); None: it keeps ``refill_slots``."""
 
     samples_per_prompt: int = 8
     max_new_tokens: int = 512
@@ -83,6 +85,7 @@ class RolloutSettings:
     eos_ids: tuple[int, ...] | None = None
     engine: RolloutConfig = RolloutConfig()
     refill_slots: int | None = None
+    refill_tail_slots: int | None = None
 
     def __post_init__(self):
         _positive(self, "max_new_tokens")
@@ -90,6 +93,11 @@ class RolloutSettings:
                                               or self.refill_slots < 1):
             raise ConfigError(f"rollout.refill_slots must be an int >= 1 or null, got "
                               f"{self.refill_slots!r}")
+        tail = self.refill_tail_slots
+        if tail is not None and (self.refill_slots is None or not isinstance(tail, int)
+                                 or not 1 <= tail <= self.refill_slots):
+            raise ConfigError(f"rollout.refill_tail_slots must be an int in [1, "
+                              f"rollout.refill_slots={self.refill_slots}] or null, got {tail!r}")
         if not isinstance(self.samples_per_prompt, int) or self.samples_per_prompt < 2:
             raise ConfigError("rollout.samples_per_prompt must be an int >= 2 (group advantages "
                               f"need a std), got {self.samples_per_prompt!r}")

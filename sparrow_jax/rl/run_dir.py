@@ -26,7 +26,7 @@ RESUMABLE_CHANGES = (
     "rollout.engine.memory_fraction", "rollout.engine.pool_multiple",
     "rollout.engine.prefill_chunk", "rollout.engine.steps_per_call",
     "rollout.engine.table_bucket_pages", "rollout.engine.prompt_multiple",
-    "rollout.engine.contiguous_pages", "rollout.refill_slots",
+    "rollout.engine.contiguous_pages", "rollout.refill_slots", "rollout.refill_tail_slots",
 )
 
 # What a fresh run would overwrite; anything else in the folder is left alone.

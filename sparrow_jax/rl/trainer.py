@@ -116,7 +116,8 @@ def engine_rollout_fn(config: TrainConfig, schedule) -> RolloutFn:
         cfg = config.rollout.rollout_config(n, model.config.eos_token_ids)
         if slots is not None:
             return generate_refill(model, prompts, cfg, key, schedule, slots=slots, lora=lora,
-                                   schedule_bound=schedule_bound, **extra)
+                                   schedule_bound=schedule_bound,
+                                   tail_slots=config.rollout.refill_tail_slots, **extra)
         return generate(model, prompts, cfg, key, schedule=schedule, lora=lora,
                         schedule_bound=schedule_bound, **extra)
 
@@ -192,6 +193,10 @@ class Trainer:
             shards = rollout_mesh.shape["data"] * rollout_mesh.shape["fsdp"]
             if slots % shards:
                 raise ConfigError(f"rollout.refill_slots={slots} does not split over the "
+                                  f"{shards} row shards (data x fsdp) rollouts sample on")
+            tail = config.rollout.refill_tail_slots
+            if tail is not None and tail % shards:
+                raise ConfigError(f"rollout.refill_tail_slots={tail} does not split over the "
                                   f"{shards} row shards (data x fsdp) rollouts sample on")
         self.model, self.model_config = load_policy(config.model, self.mesh)
         self.distill = self.distill_state = None
