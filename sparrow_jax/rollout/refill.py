@@ -200,8 +200,8 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
             per_old = len(sched.shards[0].slots)
             if (src := sched.narrow(tail_slots // groups)) is not None:
                 # Under a mesh each shard gathers its own rows: indices local to the shard.
-                new = len(sched.shards[0].slots)
-                local = src - np.repeat(np.arange(groups, dtype=np.int32) * per_old, new)
+                per_new = len(sched.shards[0].slots)
+                local = src - np.repeat(np.arange(groups, dtype=np.int32) * per_old, per_new)
                 state = _take_rows(state, _put_rows(local, mesh), mesh=mesh)
 
     if groups * sched.result_rows > num_rows:   # placeholder rows: replicate, cut

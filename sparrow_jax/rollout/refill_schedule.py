@@ -339,7 +339,6 @@ class RefillScheduler:
         src = np.asarray(src, np.int32)
         self.held = [self.held[s] for s in src]
         self.table = self.table[src]
-        self.counters["narrowed"] += 1
         return src
 
     def stats(self) -> RefillStats:
