@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import dataclasses
 import functools
-import math
 
 import jax
 import jax.numpy as jnp
@@ -154,7 +153,7 @@ def _count(mask: jax.Array) -> jax.Array:
 
 
 def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
-                   page_size, max_pages, slot_bits):
+                   page_size, max_pages):
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
     the second half is never written on GPU) and the count ``[1]``."""
@@ -201,8 +200,7 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     # The search runs over the smallest power of two of slots holding the row's pages (a
     # branch per size), and not at all when the budget covers the row: its cost follows the
     # row's length, not the table's width, which the longest row of the batch sets.
-    sizes = [size for size in (1 << e for e in range(8, slot_bits + 1))] or [mpad]
-    sizes[-1] = mpad
+    sizes = [1 << e for e in range(8, mpad.bit_length() - 1)] + [mpad]
     which = sum((n > size).astype(jnp.int32) for size in sizes[:-1])
     # Nothing chosen by score (traced values: the Triton lowering cannot yield a literal).
     skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
@@ -444,8 +442,7 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
     return pl.pallas_call(
-        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
-                          slot_bits=int(math.log2(mpad))),
+        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages),
         grid=(b, hkv),
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
