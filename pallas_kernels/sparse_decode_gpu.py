@@ -10,10 +10,11 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
    chip; no sort), ties to the lower page index by a bitwise search over slot indices, plus the
    reserved pages; the chosen slots are compacted in page order (a prefix sum) into a page list.
-   The searches cover the smallest power of two of slots (256 at least) that holds the row's
-   pages, and are skipped when the budget covers the row.
-   So a short row costs the same whatever the table's width, which the batch's longest row sets
-   (continuous refill: a long row beside many short ones).
+   The selection covers the smallest power of two of slots (256 at least) that holds the row's
+   pages, and its searches are skipped when the budget covers the row; scoring programs past
+   the row's pages only mark their slots. So a short row costs about the same whatever the
+   table's width, which the batch's longest row sets (continuous refill: a long row beside
+   many short ones).
 3. ``_attend_kernel``, grid ``(B, Hkv, S)``: online-softmax attention of all query heads of the
    group over the listed pages, the list split S ways (flash-decoding) so that small batches
    still fill the GPU; each split loops only over its share of its own row's list, so the cost
@@ -130,22 +131,31 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
     (this KV head), table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
     c = pl.program_id(2)
     n = (len_ref[0] + page_size - 1) // page_size
-    qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
-    # Masked loads: a slot past the row's pages reads nothing, so a short row in a wide table
-    # (a long row beside it sets the width) costs its programs past its pages no memory
-    # traffic.
-    phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
-    d = cent_ref.shape[1]
-    # Both dimensions indexed by arrays (interpret mode has no masked load of a slice).
-    col = lax.broadcasted_iota(jnp.int32, (chunk, d), 1)
-    cent = plgpu.load(cent_ref.at[jnp.broadcast_to(phys[:, None], (chunk, d)), col],
-                      mask=jnp.broadcast_to(eligible[:, None], (chunk, d)),
-                      other=0).astype(jnp.float32)                         # [C, D]
-    # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-    score = jnp.sum(cent * qbar[None, :], axis=1)
-    key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
+
+    # A program wholly past the row's eligible pages only marks its slots: a short row in a
+    # wide table (the longest row of the batch sets the width) then costs little more than
+    # in a table of its own width. (H100, 48 rows of 128 tokens: scoring at width 2048 took
+    # 5.2x its time at width 256 while every program read the query.)
+    @pl.when(c * chunk >= n - 2)
+    def _():
+        key_ref[...] = jnp.full((chunk,), _INT_MIN, jnp.int32)
+
+    @pl.when(c * chunk < n - 2)
+    def _():
+        qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group
+        # Masked loads: slots past the row's pages read nothing.
+        phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
+        d = cent_ref.shape[1]
+        # Both dimensions indexed by arrays (interpret mode has no masked load of a slice).
+        col = lax.broadcasted_iota(jnp.int32, (chunk, d), 1)
+        cent = plgpu.load(cent_ref.at[jnp.broadcast_to(phys[:, None], (chunk, d)), col],
+                          mask=jnp.broadcast_to(eligible[:, None], (chunk, d)),
+                          other=0).astype(jnp.float32)                     # [C, D]
+        # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
+        score = jnp.sum(cent * qbar[None, :], axis=1)
+        key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -157,19 +167,15 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
     the second half is never written on GPU) and the count ``[1]``."""
-    table = table_ref[...]
     n = (len_ref[0] + page_size - 1) // page_size
-    mpad = table.shape[0]
+    mpad = table_ref.shape[0]
     kpad = phys_ref.shape[0] // 2
-    idx = lax.broadcasted_iota(jnp.int32, (mpad,), 0)
     budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
     k = budget - RESERVED
 
-    def search(size):
-        """(t, need, j) from the first ``size`` keys, which hold every eligible one (slots
-        from ``n - 2`` on are ineligible): the same as from all ``mpad``, at the row's cost."""
-        keys = key_ref[pl.ds(0, size)]
-        slot = lax.broadcasted_iota(jnp.int32, (size,), 0)
+    def search(keys, slot):
+        """(t, need, j) of the keys: the threshold, how many keys equal to it to take, and the
+        last slot among those taken."""
         # Largest T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t) >= k
         # holds throughout, so each round counts only the candidate with its bit set.
         # Ineligible keys are INT_MIN and every candidate is larger, so they are never counted;
@@ -180,6 +186,7 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
             t = jnp.where(_count(keys >= cand) >= k, cand, t)
         need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
         equal = keys == t
+        size = keys.shape[0]
 
         # Ties: the `need` lowest slots among the equal keys: the largest j with fewer than
         # `need` equal keys below it is the last one taken. Usually exactly `need` keys equal
@@ -197,39 +204,45 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
                      lowest_equal)
         return t, need, j
 
-    # The search runs over the smallest power of two of slots holding the row's pages (a
-    # branch per size), and not at all when the budget covers the row: its cost follows the
-    # row's length, not the table's width, which the longest row of the batch sets.
-    sizes = [1 << e for e in range(8, mpad.bit_length() - 1)] + [mpad]
-    which = sum((n > size).astype(jnp.int32) for size in sizes[:-1])
-    # Nothing chosen by score (traced values: the Triton lowering cannot yield a literal).
-    skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
-    t, need, j = lax.cond(n <= budget, skip,
-                          lambda: lax.switch(which, [functools.partial(search, size)
-                                                     for size in sizes]))
-    keys = key_ref[...]
-    above = keys > t
-    equal = keys == t
-    chosen = above | (equal & (idx <= j) & (need > 0))
-    reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
-    sel = jnp.where(n <= budget, idx < n, reserved | chosen)
+    def select(size):
+        """The page list from the first ``size`` slots, which hold the row's pages (and
+        ``size >= Kpad``, so every list entry gets a value): the same as from all ``Mpad``."""
+        keys = key_ref[pl.ds(0, size)]
+        table = table_ref[pl.ds(0, size)]
+        idx = lax.broadcasted_iota(jnp.int32, (size,), 0)
+        # No search when the budget covers the row (traced values: the Triton lowering
+        # cannot yield a literal from a cond).
+        skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
+        t, need, j = lax.cond(n <= budget, skip, lambda: search(keys, idx))
+        chosen = (keys > t) | ((keys == t) & (idx <= j) & (need > 0))
+        reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
+        sel = jnp.where(n <= budget, idx < n, reserved | chosen)
 
-    # Compact in page order: chosen slots go to ranks 0 .. total-1, the others after them and
-    # carry the last page, so entries past the count repeat it (the attention kernel reads whole
-    # blocks of entries; a repeated page comes from cache, not memory). Ranks are distinct; those
-    # past the list go to the junk half of the buffer with their stores masked off (masked lanes
-    # sharing a destination would write stale values back in interpret mode).
-    sel_i = sel.astype(jnp.int32)
-    upto = jnp.cumsum(sel_i)                     # chosen slots at or below each slot
-    total = jnp.sum(sel_i)
-    rank = jnp.where(sel, upto - 1, total + idx - upto)
-    last = jnp.maximum(n - 1, 0)
-    last_phys = jnp.sum(jnp.where(idx == last, table, jnp.int32(0)))
-    keep = rank < kpad
-    dest = jnp.where(keep, rank, jnp.int32(kpad))
-    plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
-    plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
-    count_ref[...] = jnp.full((1,), total, jnp.int32)
+        # Compact in page order: chosen slots go to ranks 0 .. total-1, the others after them
+        # and carry the last page, so entries past the count repeat it (the attention kernel
+        # reads whole blocks of entries; a repeated page comes from cache, not memory). Ranks
+        # are distinct; those past the list go to the junk half of the buffer with their stores
+        # masked off (masked lanes sharing a destination would write stale values back in
+        # interpret mode).
+        sel_i = sel.astype(jnp.int32)
+        upto = jnp.cumsum(sel_i)                 # chosen slots at or below each slot
+        total = jnp.sum(sel_i)
+        rank = jnp.where(sel, upto - 1, total + idx - upto)
+        last = jnp.maximum(n - 1, 0)
+        last_phys = jnp.sum(jnp.where(idx == last, table, jnp.int32(0)))
+        keep = rank < kpad
+        dest = jnp.where(keep, rank, jnp.int32(kpad))
+        plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
+        plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
+        count_ref[...] = jnp.full((1,), total, jnp.int32)
+
+    # The selection runs over the smallest power of two of slots (256 at least) holding the
+    # row's pages, a branch per size: its cost follows the row's length, not the table's
+    # width, which the longest row of the batch sets.
+    smallest = max(256, kpad)
+    sizes = [1 << e for e in range(smallest.bit_length() - 1, mpad.bit_length() - 1)] + [mpad]
+    which = sum((n > size).astype(jnp.int32) for size in sizes[:-1])
+    lax.switch(which, [functools.partial(select, size) for size in sizes])
 
 
 def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,

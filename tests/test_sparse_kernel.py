@@ -12,8 +12,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, pad_heads, select_page_lists,
-                                              sparse_decode_pallas)
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, pad_heads, score_keys,
+                                              select_page_lists, sparse_decode_pallas)
 from reference_np import (KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case,
                           select_pages_np, sparse_decode_np)
 
@@ -153,6 +153,30 @@ def test_selection_in_a_wide_table_follows_each_row():
     out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, centroids=cent,
                                max_budget_pages=256, interpret=INTERPRET)
     assert_kernel_close(as64(out), want_out, low_precision=False)
+
+
+def test_scoring_marks_every_slot_past_each_row():
+    """Scoring programs wholly past a row's eligible pages skip the scoring: in a 1024-slot
+    table, rows of 3, 70 and 700 pages get, at every slot past page n - 3 and at page 0, the
+    smallest key, and at pages 1 .. n - 3 keys in the order of the float64 scores
+    ``mean(q of the group) . centroid``."""
+    rng = np.random.default_rng(13)
+    pages = np.array([3, 70, 700])
+    q, _, _, cent, table, lengths = make_case(rng, lengths=pages * P, hkv=2, r=3, d=16,
+                                              dtype=jnp.float32, spare_cols=300)
+    mpad = 1024
+    padded = jnp.pad(table, ((0, 0), (0, mpad - table.shape[1])))
+    keys = np.asarray(score_keys(pad_heads(q, 2), 3, cent, padded, lengths, page_size=P,
+                                 interpret=INTERPRET))
+    assert keys.shape == (3, 2, mpad)
+    qbar = as64(q).reshape(3, 2, 3, -1).mean(axis=2)
+    for b, n in enumerate(pages):
+        for h in range(2):
+            assert (keys[b, h, 0] == keys[b, h, n - 2:]).all()
+            assert (keys[b, h, 1:n - 2] > keys[b, h, 0]).all()
+            want = as64(cent)[h, np.asarray(table)[b, 1:n - 2]] @ qbar[b, h]
+            assert (np.argsort(keys[b, h, 1:n - 2], kind="stable")
+                    == np.argsort(want, kind="stable")).all()
 
 
 def test_ties_past_the_first_sizes_go_to_the_lower_page_index():
