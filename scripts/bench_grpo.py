@@ -18,11 +18,14 @@ instead of running every row to ``--max-new``. ``--schedules A B ..`` runs one t
 schedule, one after the other in this process (e.g. ``paper:qwen3-1.7b dense``: the sparse vs
 dense GRPO step), and prints them side by side.
 
-``--rollout-model FILE`` (the JSON of ``scripts/bench_rollout.py --phase refill-model``, e.g.
-at a 32K cap): the GRPO step of that length mix for each of its modes, composed from the
-model's predicted refill rollout plus this run's recompute and update seconds per response
-token (measured on the few rows run here, whatever their schedule: training is the same dense
-work after either rollout) times the mix's tokens; printed with the sparse/dense step ratio.
+``--rollout-model FILE [FILE ..]`` (JSON of ``scripts/bench_rollout.py --phase refill-model``
+of one length mix, e.g. its sparse and its dense run at a 32K cap): the GRPO step of that mix
+for each of their modes, composed from the model's predicted refill rollout plus this run's
+recompute and update seconds per response token (measured on the few rows run here, whatever
+their schedule: training is the same dense work after either rollout) times the mix's tokens;
+printed with the sparse/dense step ratio. ``--training-json FILE``: the training seconds from
+an earlier run of this script (same model, the rollout model's cap) instead of running
+trainers, so that new rollout figures compose on any machine, a CPU included.
 
 ``--no-fuse`` runs the dense recompute as its own pass instead of fusing it into the first
 mini-batch's forward (docs/design.md, section 7). CPU smoke test: ``--tiny`` (the tiny model,
@@ -150,6 +153,55 @@ def run_schedule(args, schedule: str) -> dict:
     return out
 
 
+def read_rollout_models(paths: list[str]) -> dict:
+    """Refill-model JSONs of one length mix -> one, holding the modes of all (SystemExit naming
+    the file, key and value where they are no such JSON or describe different mixes)."""
+    merged = None
+    for path in paths:
+        try:
+            with open(path) as f:
+                model = json.load(f)
+            missing = [k for k in ("tokens", "max_new", "rows", "slots", "modes") if k not in model]
+        except (OSError, ValueError, TypeError) as e:
+            raise SystemExit(f"--rollout-model {path}: {e}")
+        if missing or not any("refill" in e for e in model["modes"].values()):
+            raise SystemExit(f"--rollout-model {path}: not a bench_rollout.py --phase "
+                             f"refill-model JSON (missing {missing or 'a refill run'})")
+        if merged is None:
+            merged, first = dict(model, modes=dict(model["modes"])), path
+            continue
+        for key in ("model", "tokens", "max_new", "rows", "batch", "slots", "num_pages",
+                    "length_mix"):
+            if model.get(key) != merged.get(key):
+                raise SystemExit(f"--rollout-model {path}: {key} {model.get(key)!r}, but "
+                                 f"{merged.get(key)!r} in {first}: not the same mix")
+        for mode in model["modes"]:
+            if mode in merged["modes"]:
+                raise SystemExit(f"--rollout-model {path}: mode {mode!r} is in {first} too")
+            merged["modes"][mode] = model["modes"][mode]
+    return merged
+
+
+def read_training(path: str, rollout_model: dict | None) -> dict:
+    """An earlier ``--out`` of this script whose training seconds price the rollout model's
+    mix (SystemExit naming the file, key and value where it cannot)."""
+    if rollout_model is None:
+        raise SystemExit(f"--training-json {path}: composes a --rollout-model, none given")
+    try:
+        with open(path) as f:
+            training = json.load(f)
+        timed = [r["mean_after_first"] for r in training["runs"]]
+    except (OSError, ValueError, TypeError, KeyError) as e:
+        raise SystemExit(f"--training-json {path}: not a bench_grpo.py --out JSON ({e!r})")
+    if not timed:
+        raise SystemExit(f"--training-json {path}: runs is empty")
+    for key in ("model", "max_new"):
+        if training.get(key) != rollout_model.get(key):
+            raise SystemExit(f"--training-json {path}: {key} {training.get(key)!r}, but the "
+                             f"rollout model's is {rollout_model.get(key)!r}")
+    return training
+
+
 def compose(runs: list[dict], model: dict, source: str) -> dict:
     """The GRPO step of a refill-model run's mix (``model``, read from ``source``) for each of
     its modes: its predicted refill rollout + (recompute + update) seconds per response token
@@ -196,26 +248,21 @@ def main(argv=None):
                     help="CPU smoke test: the tiny model, float32, 2 x 4 rows, 64 tokens, 2 steps")
     ap.add_argument("--run-dir", default=None, help="folder for the runs' folders (default: "
                     "the system's temporary folder)")
-    ap.add_argument("--rollout-model", default=None,
-                    help="a bench_rollout --phase refill-model JSON: compose the mix's GRPO step")
+    ap.add_argument("--rollout-model", nargs="+", default=None,
+                    help="bench_rollout --phase refill-model JSON of one mix (their modes "
+                         "together): compose the mix's GRPO step")
+    ap.add_argument("--training-json", default=None,
+                    help="an earlier --out of this script: compose from its training seconds "
+                         "instead of running trainers (needs --rollout-model)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     if args.tiny:
         args.model, args.dtype, args.prompts, args.samples = "tiny", "float32", 2, 4
         args.max_new, args.steps, args.micro_batch = 64, 2, 4
 
-    rollout_model = None
-    if args.rollout_model:       # read before the runs: a bad file fails now, not after them
-        try:
-            with open(args.rollout_model) as f:
-                rollout_model = json.load(f)
-            missing = [k for k in ("tokens", "max_new", "rows", "slots", "modes")
-                       if k not in rollout_model]
-        except (OSError, ValueError) as e:
-            raise SystemExit(f"--rollout-model {args.rollout_model}: {e}")
-        if missing or not any("refill" in e for e in rollout_model["modes"].values()):
-            raise SystemExit(f"--rollout-model {args.rollout_model}: not a bench_rollout.py "
-                             f"--phase refill-model JSON (missing {missing or 'a refill run'})")
+    # Inputs read before any run: a bad file fails now, not after the runs.
+    rollout_model = read_rollout_models(args.rollout_model) if args.rollout_model else None
+    training = read_training(args.training_json, rollout_model) if args.training_json else None
     dev = jax.devices()[0]
     print(f"device {dev.device_kind} ({jax.default_backend()}), jax {jax.__version__}",
           flush=True)
@@ -224,18 +271,25 @@ def main(argv=None):
                rows=args.prompts * args.samples, max_new=args.max_new,
                length_mix=args.length_mix, fuse_recompute=args.fuse,
                micro_batch=args.micro_batch, runs=[])
+    if training:
+        # The figures are the training run's: its machine, model and rows.
+        keys = ("device", "backend", "jax", "date", "model", "rows", "max_new", "length_mix",
+                "fuse_recompute", "micro_batch", "runs")
+        out.update({k: training.get(k) for k in keys}, training_json=args.training_json)
     try:
-        for schedule in args.schedules:
+        for schedule in [] if training else args.schedules:
             out["runs"].append(run_schedule(args, schedule))
             gc.collect()   # the previous trainer's weights and optimizer state
         if rollout_model:
-            out["composed"] = compose(out["runs"], rollout_model, args.rollout_model)
+            out["composed"] = compose(out["runs"], rollout_model,
+                                      " + ".join(args.rollout_model))
     finally:
         if args.out:
             with open(args.out, "w") as f:
                 json.dump(out, f, indent=1)
-    print(f"\n{args.model}, {out['rows']} rows, up to {args.max_new} tokens (length mix "
-          f"{args.length_mix}), fuse_recompute={args.fuse}; mean of steps 1..{args.steps - 1}:")
+    print(f"\n{out['model']}, {out['rows']} rows, up to {out['max_new']} tokens (length mix "
+          f"{out['length_mix']}), fuse_recompute={out['fuse_recompute']}; mean of the steps "
+          f"after the first" + (f" ({args.training_json})" if training else "") + ":")
     print("| schedule | rollout s | recompute s | update s | step wall s | rollout tokens/s | "
           "step tokens/s | peak GiB |")
     print("| --- | --- | --- | --- | --- | --- | --- | --- |")
@@ -248,7 +302,7 @@ def main(argv=None):
         c = out["composed"]
         print(f"\nGRPO step on {c['source']} ({c['tokens']} response tokens, refill rollout "
               f"predicted, training at {1e6 * c['training_s_per_token']:.1f} us a token as "
-              f"measured here):")
+              f"measured on {out['device']}):")
         for name, e in c["modes"].items():
             print(f"  {name}: rollout {e['rollout_s']:.1f} s + training {e['training_s']:.1f} s "
                   f"= {e['step_s']:.1f} s")

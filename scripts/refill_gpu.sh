@@ -7,8 +7,8 @@
 #         8k-dense      the same, dense
 #         model-8k      the chunk model at the 8K cap, checked against the 8k-* runs (10%)
 #         model-32k-sparse, model-32k-dense   the chunk model at the 32K cap
-#         grpo-32k      the GRPO step at 32K: training measured on a few rows, the model's
-#                       rollouts added
+#         grpo-32k      the GRPO step at 32K: training measured on a few rows (or read from
+#                       TRAINING=, an earlier run's JSON), the model's rollouts added
 # Inputs of model-8k and grpo-32k (JSON of earlier parts, carried in the tree) are read from $IN
 # (default $OUT), each under the name its part writes (refill_8k-sparse.json, ..), or from the
 # files SPARSE_8K=, DENSE_8K= (model-8k), SPARSE_32K=, DENSE_32K= (grpo-32k) name. The 8K runs
@@ -40,7 +40,7 @@ mix32k=(--max-new 32768 --batch 19 --rows 152 --slots 48 --prefill-rows 16 --len
 extra=("$@")
 rollout() { python3 scripts/bench_rollout.py "$@" "${extra[@]}"; }
 # merge OUT SPARSE DENSE: one JSON holding the sparse run of the one file and the dense of the
-# other (what --refill-json and --rollout-model read).
+# other (what --refill-json reads).
 merge() {
   python3 - "$@" <<'PY'
 import json, sys
@@ -72,12 +72,14 @@ case $part in
     rollout --phase refill-model "${mix32k[@]}" "${model[@]}" --modes "${part#model-32k-}" \
       --out "$OUT/refill_$part.json" ;;
   grpo-32k)
-    merge "$OUT/refill_model_32k.json" "${SPARSE_32K:-$IN/refill_model-32k-sparse.json}" \
-      "${DENSE_32K:-$IN/refill_model-32k-dense.json}"
     # One schedule: training is the same dense work after either rollout, and each 32K
     # rollout of the few rows takes minutes (dense and sparse did not fit one call).
+    # TRAINING=<an earlier grpo_32k.json>: composed from its training, no trainer run (off a
+    # GPU, call bench_grpo.py with these arguments and --training-json directly).
     python3 scripts/bench_grpo.py --prompts 1 --samples 2 --max-new 32768 --steps 2 \
       --schedules paper:qwen3-1.7b --micro-batch 2 \
-      --rollout-model "$OUT/refill_model_32k.json" --out "$OUT/grpo_32k.json" ;;
+      ${TRAINING:+--training-json "$TRAINING"} \
+      --rollout-model "${SPARSE_32K:-$IN/refill_model-32k-sparse.json}" \
+      "${DENSE_32K:-$IN/refill_model-32k-dense.json}" --out "$OUT/grpo_32k.json" ;;
   *) echo "unknown part $part" >&2; exit 2 ;;
 esac
