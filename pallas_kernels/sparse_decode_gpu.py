@@ -176,14 +176,24 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     def search(keys, slot):
         """(t, need, j) of the keys: the threshold, how many keys equal to it to take, and the
         last slot among those taken."""
-        # Largest T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t) >= k
-        # holds throughout, so each round counts only the candidate with its bit set.
-        # Ineligible keys are INT_MIN and every candidate is larger, so they are never counted;
-        # k = 0 gives T = INT_MAX, nothing chosen. (A Python loop: unrolled, 32 rounds.)
-        t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
-        for bit in range(30, -1, -1):
-            cand = t | jnp.int32(1 << bit)
-            t = jnp.where(_count(keys >= cand) >= k, cand, t)
+        # A threshold T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t)
+        # >= k holds throughout, so each round counts only the candidate with its bit set.
+        # Ineligible keys are INT_MIN and every candidate is larger, so they are never counted.
+        # The rounds stop once exactly k keys reach t: keys >= t are then the top k, whatever
+        # the lower bits (the k-th and (k+1)-th keys first differ at that round's bit, about
+        # half-way down for scores of a few thousand pages). Otherwise t ends as the k-th
+        # largest key (k = 0: INT_MAX, nothing chosen) and ties at t are split below.
+        first = _count(keys >= 0)
+        t = jnp.where(first >= k, jnp.int32(0), jnp.int32(_INT_MIN))
+
+        def round_(carry):
+            bit, t, _ = carry
+            cand = t | lax.shift_left(jnp.int32(1), bit)
+            count = _count(keys >= cand)
+            return bit - 1, jnp.where(count >= k, cand, t), count == k
+
+        _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
+                                 (jnp.int32(30), t, first == k))
         need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
         equal = keys == t
         size = keys.shape[0]
