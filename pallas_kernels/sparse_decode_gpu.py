@@ -8,8 +8,9 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    the row, nothing past it (masked loads).
 2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
-   chip; no sort), ties to the lower page index by a bitwise search over slot indices, plus the
-   reserved pages; the chosen slots are compacted in page order (a prefix sum) into a page list.
+   chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
+   page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
+   are compacted in page order (a prefix sum) into a page list.
    The selection covers the smallest power of two of slots (256 at least) that holds the row's
    pages, and its searches are skipped when the budget covers the row; scoring programs past
    the row's pages only mark their slots. So a short row costs about the same whatever the
