@@ -26,6 +26,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import os
 import re
 import sys
 import warnings
@@ -41,7 +42,8 @@ from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
-from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds, read_ceiling
+from sparrow_jax.benchmarking import (chained, contiguous_attention, median_seconds,
+                                     profile_calls, read_ceiling)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from sparrow_jax.attention.sparse import sparse_decode
 
@@ -257,6 +259,10 @@ def main(argv=None):
                          "'default', or letters+numbers: b block_pages, s splits, w attention "
                          "warps, g attention stages, c score_chunk, v score warps, t select "
                          "warps, h0 bitwise threshold search")
+    ap.add_argument("--trace", action="store_true",
+                    help="also trace each kernel variant's chained calls once: its device time "
+                         "per call by kernel (CUDA graphs off for the whole run, as in "
+                         "scripts/profile_step.py: compare times within the run)")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -268,6 +274,9 @@ def main(argv=None):
     ap.add_argument("--interpret", action="store_true",
                     help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
     args = ap.parse_args(argv)
+    if args.trace:          # read when the backend starts, at the first device use below
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_enable_command_buffer=").strip()
     dev = jax.devices()[0]
     print(f"backend {jax.default_backend()}, device {dev.device_kind}, jax {jax.__version__}",
           flush=True)
@@ -380,7 +389,8 @@ def main(argv=None):
                             print(f"{name} ctx={ctx} b={b}: rel err {err:.1e}; page sets differ "
                                   f"from the reference in {nbad}/{rows_} rows, largest relative "
                                   f"score gap {gap:.1e}", flush=True)
-                    t = median_seconds(chained(fn, args.chain), fn_args, args.repeats) / args.chain
+                    run = chained(fn, args.chain)
+                    t = median_seconds(run, fn_args, args.repeats) / args.chain
                 except Exception as e:  # a variant that fails to build is a result too
                     msg = f"{type(e).__name__}: {e}"
                     print(f"{name} ctx={ctx} b={b}: FAILED {msg[:2000]}", flush=True)
@@ -391,6 +401,13 @@ def main(argv=None):
                            context=ctx, batch=b,
                            ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
                            frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
+                if args.trace and name.startswith("kernel_"):
+                    lines = profile_calls(run, fn_args, args.chain)
+                    busiest = max(lines.values(), key=lambda entry: entry["total_us"])
+                    row["device_us"] = busiest
+                    print(f"{name} ctx={ctx} b={b}: device {busiest['total_us']:.1f} us a call: "
+                          + ", ".join(f"{e['name'][:40]} {e['us']:.1f}"
+                                      for e in busiest["top"]), flush=True)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
             del k_pages, v_pages, cases

@@ -16,9 +16,6 @@ not, so compare the sums with the step time printed beside them.
 from __future__ import annotations
 
 import argparse
-import collections
-import glob
-import gzip
 import json
 import os
 import sys
@@ -27,47 +24,12 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
+from sparrow_jax.benchmarking import device_events, summarize_events
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig
 from sparrow_jax.rollout.profile import fixed_context_batch, time_context
 from sparrow_jax.schedule import BudgetSchedule
-
-
-def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
-    """The perfetto trace under ``trace_dir`` -> {trace line: {event name: [durations, us]}}
-    for the device's lines (all lines where the trace has no device, as on CPU)."""
-    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
-    if not paths:
-        raise SystemExit(f"{trace_dir}: no perfetto_trace.json.gz (did the trace run?)")
-    with gzip.open(paths[0]) as f:
-        events = json.load(f)["traceEvents"]
-    process, thread = {}, {}
-    for e in events:
-        if e.get("ph") == "M" and e.get("name") == "process_name":
-            process[e["pid"]] = e["args"]["name"]
-        elif e.get("ph") == "M" and e.get("name") == "thread_name":
-            thread[e["pid"], e["tid"]] = e["args"]["name"]
-    devices = {pid for pid, name in process.items() if name.startswith("/device:")}
-    lines: dict[str, dict[str, list[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(list))
-    for e in events:
-        if e.get("ph") != "X" or (devices and e["pid"] not in devices):
-            continue
-        line = f"{process.get(e['pid'], e['pid'])} {thread.get((e['pid'], e.get('tid')), '')}"
-        lines[line.strip()][e["name"]].append(float(e.get("dur", 0.0)))
-    return lines
-
-
-def summarize(lines, steps: int, top: int) -> dict:
-    """Per line: its total and its ``top`` events by time, in us per step."""
-    out = {}
-    for line, names in lines.items():
-        rows = sorted(((sum(d) / steps, len(d) / steps, name) for name, d in names.items()),
-                      reverse=True)
-        out[line] = dict(total_us=sum(r[0] for r in rows),
-                         top=[dict(name=n, us=us, per_step=c) for us, c, n in rows[:top]])
-    return out
 
 
 def main(argv=None):
@@ -115,7 +77,7 @@ def main(argv=None):
     # The trace holds time_context's untimed first chunk too.
     traced_steps = steps * (args.repeats + 1)
     step_us = 1e6 * min(timed.step_seconds)
-    lines = summarize(device_events(trace_dir), traced_steps, args.top)
+    lines = summarize_events(device_events(trace_dir), traced_steps, args.top)
     dev = jax.devices()[0]
     out = dict(argv=sys.argv[1:] if argv is None else argv, device=dev.device_kind,
                backend=jax.default_backend(), jax=jax.__version__, model=args.model,

@@ -2,15 +2,22 @@
 
 XLA merges repeated identical calls inside one jit, so a timed loop chains them: each call takes
 the previous call's output as its input (:func:`chained`). Times are medians of wall-clock runs
-after a compile and a warm-up run (:func:`median_seconds`).
+after a compile and a warm-up run (:func:`median_seconds`). Where the time goes, by kernel: a
+``jax.profiler`` trace summed per event name (:func:`device_events`, :func:`summarize_events`,
+:func:`profile_calls`).
 """
 
 from __future__ import annotations
 
+import collections
 import datetime
+import glob
+import gzip
 import json
+import os
 import statistics
 import sys
+import tempfile
 import time
 
 import jax
@@ -81,3 +88,50 @@ def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     w = jax.nn.softmax(s, axis=-1)
     out = jnp.einsum("bhrs,bhsd->bhrd", w.astype(v.dtype), v, preferred_element_type=jnp.float32)
     return out.reshape(b, hq, d).astype(q.dtype)
+
+
+def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
+    """The perfetto trace under ``trace_dir`` -> {trace line: {event name: [durations, us]}}
+    for the device's lines (all lines where the trace has no device, as on CPU)."""
+    paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
+    if not paths:
+        raise FileNotFoundError(f"{trace_dir}: no perfetto_trace.json.gz (did the trace run?)")
+    with gzip.open(paths[0]) as f:
+        events = json.load(f)["traceEvents"]
+    process, thread = {}, {}
+    for e in events:
+        if e.get("ph") == "M" and e.get("name") == "process_name":
+            process[e["pid"]] = e["args"]["name"]
+        elif e.get("ph") == "M" and e.get("name") == "thread_name":
+            thread[e["pid"], e["tid"]] = e["args"]["name"]
+    devices = {pid for pid, name in process.items() if name.startswith("/device:")}
+    lines: dict[str, dict[str, list[float]]] = collections.defaultdict(
+        lambda: collections.defaultdict(list))
+    for e in events:
+        if e.get("ph") != "X" or (devices and e["pid"] not in devices):
+            continue
+        line = f"{process.get(e['pid'], e['pid'])} {thread.get((e['pid'], e.get('tid')), '')}"
+        lines[line.strip()][e["name"]].append(float(e.get("dur", 0.0)))
+    return lines
+
+
+def summarize_events(lines, calls: int, top: int) -> dict:
+    """Per trace line: its total and its ``top`` events by time, in us per call (``calls``:
+    the steps or calls the trace holds)."""
+    out = {}
+    for line, names in lines.items():
+        rows = sorted(((sum(d) / calls, len(d) / calls, name) for name, d in names.items()),
+                      reverse=True)
+        out[line] = dict(total_us=sum(r[0] for r in rows),
+                         top=[dict(name=n, us=us, per_step=c) for us, c, n in rows[:top]])
+    return out
+
+
+def profile_calls(run, args, calls: int, top: int = 12) -> dict:
+    """One ``run(*args)`` (compiled and warm: call it before) traced with ``jax.profiler``,
+    summed per device event and divided by ``calls``, the calls of the traced function it
+    chains (:func:`summarize_events`). With CUDA graphs on, a graph may show as one event."""
+    trace_dir = tempfile.mkdtemp(prefix="profile_calls_")
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        jax.block_until_ready(run(*args))
+    return summarize_events(device_events(trace_dir), calls, top)

@@ -1,24 +1,15 @@
-"""scripts/profile_step.py's trace summary against a hand-built perfetto trace."""
+"""The trace summary of scripts/profile_step.py and bench_decode.py --trace
+(``sparrow_jax.benchmarking``) against a hand-built perfetto trace."""
 
 from __future__ import annotations
 
 import gzip
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def profile_step():
-    spec = importlib.util.spec_from_file_location("profile_step",
-                                                  REPO / "scripts/profile_step.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from sparrow_jax.benchmarking import device_events, summarize_events
 
 
 def write_trace(folder: pathlib.Path, events) -> None:
@@ -28,7 +19,7 @@ def write_trace(folder: pathlib.Path, events) -> None:
         json.dump({"traceEvents": events}, f)
 
 
-def test_device_lines_summed_per_step(profile_step, tmp_path):
+def test_device_lines_summed_per_step(tmp_path):
     """Two steps traced on stream 7 of GPU 0: gemm 30 + 50 us, add 4 + 6 us -> 40 and 5 us a
     step, one launch each a step; the host's events are left out."""
     meta = [{"ph": "M", "pid": 1, "name": "process_name", "args": {"name": "/host:CPU"}},
@@ -38,7 +29,7 @@ def test_device_lines_summed_per_step(profile_step, tmp_path):
     x = [dict(ph="X", pid=2, tid=7, ts=t, dur=d, name=n)
          for t, d, n in [(0, 30, "gemm"), (40, 4, "add"), (50, 50, "gemm"), (110, 6, "add")]]
     write_trace(tmp_path, meta + x + [dict(ph="X", pid=1, tid=1, ts=0, dur=999, name="host")])
-    out = profile_step.summarize(profile_step.device_events(str(tmp_path)), steps=2, top=5)
+    out = summarize_events(device_events(str(tmp_path)), calls=2, top=5)
     assert list(out) == ["/device:GPU:0 Stream #7"]
     line = out["/device:GPU:0 Stream #7"]
     assert line["total_us"] == pytest.approx(45.0)
@@ -46,6 +37,6 @@ def test_device_lines_summed_per_step(profile_step, tmp_path):
         ("gemm", 40.0, 1.0), ("add", 5.0, 1.0)]
 
 
-def test_no_trace_is_named(profile_step, tmp_path):
-    with pytest.raises(SystemExit, match="no perfetto_trace"):
-        profile_step.device_events(str(tmp_path))
+def test_no_trace_is_named(tmp_path):
+    with pytest.raises(FileNotFoundError, match="no perfetto_trace"):
+        device_events(str(tmp_path))
