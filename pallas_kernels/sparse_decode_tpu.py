@@ -13,8 +13,9 @@ an explicit DMA from HBM into VMEM. Three kernels with a little XLA between them
    scalar gather) and turns them into int32 keys ordered like the scores.
 2. ``_select_kernel``, grid ``(B, Hkv)``: the exact selection of the reference (page 0 and the
    last two pages kept, the ``K - 3`` best of the others, ties to the lower page index) by a
-   threshold found bit by bit over the keys (32 counting passes over the row held in VMEM, no
-   sort) and a second bit-by-bit search over slot indices for ties; each chosen slot's rank in
+   threshold found bit by bit over the keys (at most 32 counting passes over the row held in
+   VMEM, stopping once exactly ``K - 3`` keys reach it; no sort) and, only for a tie at the
+   threshold, a second bit-by-bit search over slot indices; each chosen slot's rank in
    page order comes from two small 0/1 matrix products (a prefix sum on the matrix unit). XLA
    scatters the chosen pages into page lists and marks runs of pages adjacent in the pool.
 3. ``_attend_kernel``, grid ``(B, Hkv)``: online-softmax attention of the whole GQA group over
@@ -183,28 +184,38 @@ def _select_kernel(len_ref, budget_ref, key_ref, rank_ref, *, page_size, max_pag
     budget = jnp.minimum(jnp.maximum(budget_ref[b], RESERVED), max_pages)
     k = (budget - RESERVED).astype(jnp.float32)
 
-    # Largest T with #(keys >= T) >= k, decided from the sign bit down: the count stays >= k
-    # throughout, so each bit is kept iff the count with it set is still >= k. Ineligible keys
-    # are INT_MIN, below every candidate; k = 0 gives T = INT_MAX and nothing chosen.
-    # (Loops, not unrolled: the same work, a much smaller program to compile.)
-    def threshold_bit(i, t):
-        cand = t | lax.shift_left(jnp.int32(1), 30 - i)
-        return jnp.where(_count(keys >= cand) >= k, cand, t)
+    # A threshold T with #(keys >= T) >= k, decided from the sign bit down: the count stays
+    # >= k throughout, so each bit is kept iff the count with it set is still >= k. Ineligible
+    # keys are INT_MIN, below every candidate. The rounds stop once exactly k keys reach t
+    # (keys >= t are then the top k, whatever the lower bits: about half the rounds for a few
+    # thousand pages); otherwise t ends as the k-th largest key (k = 0: INT_MAX, nothing
+    # chosen). (Loops, not unrolled: a much smaller program to compile.)
+    def threshold_bit(carry):
+        bit, t, _ = carry
+        cand = t | lax.shift_left(jnp.int32(1), bit)
+        count = _count(keys >= cand)
+        return bit - 1, jnp.where(count >= k, cand, t), count
 
-    t = jnp.where(_count(keys >= 0) >= k, jnp.int32(0), jnp.int32(_INT_MIN))
-    t = lax.fori_loop(0, 31, threshold_bit, t)
+    first = _count(keys >= 0)
+    t = jnp.where(first >= k, jnp.int32(0), jnp.int32(_INT_MIN))
+    # Counts are [1, 1] float32 vectors; the loop's predicate takes the last one as a scalar
+    # (Mosaic converts 32-bit elements only).
+    _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & (c[2][0, 0] != k), threshold_bit,
+                             (jnp.int32(30), t, first))
     above = keys > t
     need = k - _count(above)                    # keys equal to T still to take, >= 0
     equal = keys == t
     # Ties: the `need` lowest slots among the equal keys. j ends as the largest slot with fewer
-    # than `need` equal keys below it: the last one taken.
+    # than `need` equal keys below it: the last one taken. Without a tie at T (every equal key
+    # taken) the search is skipped.
     top = (mr * LANES - 1).bit_length() - 1
 
     def tie_bit(i, j):
         cand = j + lax.shift_left(jnp.int32(1), top - i)
         return jnp.where(_count(equal & (idx < cand)) < need, cand, j)
 
-    j = lax.fori_loop(0, top + 1, tie_bit, jnp.zeros((1, 1), jnp.int32))
+    j = lax.cond((_count(equal) - need)[0, 0] == 0, lambda: jnp.full((1, 1), mr * LANES, jnp.int32),
+                 lambda: lax.fori_loop(0, top + 1, tie_bit, jnp.zeros((1, 1), jnp.int32)))
     chosen = above | (equal & (idx <= j) & (need > 0))
     reserved = (idx == 0) | (idx >= n - 2)
     # Dense rows (n <= budget) take all their pages; the scalar folds that in as a slot bound.
