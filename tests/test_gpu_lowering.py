@@ -113,9 +113,15 @@ def triton_modules(fn, *args, monkeypatch) -> list[tuple[str, int, int]]:
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=H100)
     with jax.sharding.use_abstract_mesh(mesh):
         text = jax.jit(fn).trace(*args).lower(lowering_platforms=("cuda",)).as_text()
-    launch = re.findall(r'num_stages = (\d+) : i32, num_warps = (\d+) : i32', text)
-    assert len(launch) == len(got), (launch, len(got))
-    return [(ir, int(w), int(st)) for ir, (st, w) in zip(got, launch)]
+    # Each kernel's launch settings, matched by its name (the custom calls' order in the text
+    # need not be the order the kernels were lowered in).
+    launch: dict[str, list[tuple[int, int]]] = {}
+    for name, stages, warps in re.findall(
+            r'name = "(\w+)", num_stages = (\d+) : i32, num_warps = (\d+) : i32', text):
+        launch.setdefault(name, []).append((int(warps), int(stages)))
+    assert sum(map(len, launch.values())) == len(got), (launch, len(got))
+    return [(ir, *launch[re.search(r"tt.func public @(\w+)", ir).group(1)].pop(0))
+            for ir in got]
 
 
 def ptxas_report(fn, *args, tmp_path, monkeypatch) -> dict[str, dict[str, int]]:
