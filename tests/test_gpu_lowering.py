@@ -10,9 +10,7 @@ them."""
 from __future__ import annotations
 
 import importlib.util
-import os
 import re
-import subprocess
 
 import jax
 import jax.numpy as jnp
@@ -22,6 +20,7 @@ from jax._src import mesh as mesh_lib
 from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, sparse_decode_pallas
+from ptxas import ptxas_usage
 from pallas_kernels.teacher_forced_gpu import (TeacherForcedTuning, page_masked_attention,
                                                select_pages_kernel)
 
@@ -133,21 +132,14 @@ def ptxas_report(fn, *args, tmp_path, monkeypatch) -> dict[str, dict[str, int]]:
     tmp_path.mkdir(parents=True, exist_ok=True)
     monkeypatch.setenv("TRITON_CACHE_DIR", str(tmp_path / "triton_cache"))
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
-    ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
     report = {}
     for i, (ir, warps, stages) in enumerate(triton_modules(fn, *args, monkeypatch=monkeypatch)):
         name = re.search(r"tt.func public @(\w+)", ir).group(1)
-        base = tmp_path / f"{i}_{name}"
-        base.with_suffix(".ttir").write_text(ir)
-        kernel = triton.compile(str(base.with_suffix(".ttir")), target=GPUTarget("cuda", 90, 32),
+        path = tmp_path / f"{i}_{name}.ttir"
+        path.write_text(ir)
+        kernel = triton.compile(str(path), target=GPUTarget("cuda", 90, 32),
                                 options=dict(num_warps=warps, num_stages=stages))
-        base.with_suffix(".ptx").write_text(kernel.asm["ptx"])
-        info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", str(base.with_suffix(".ptx")),
-                               "-o", os.devnull], capture_output=True, text=True,
-                              check=True).stderr
-        report[f"{i}_{name}"] = dict(
-            regs=int(re.search(r"Used (\d+) registers", info).group(1)),
-            spilled=sum(map(int, re.findall(r"(\d+) bytes spill (?:stores|loads)", info))))
+        report[f"{i}_{name}"] = ptxas_usage(kernel.asm["ptx"])
     return report
 
 

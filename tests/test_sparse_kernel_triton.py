@@ -261,18 +261,18 @@ def test_dispatch_runs_the_triton_kernels():
 
 
 _COMPILE = r"""
-import json, os, re, subprocess, sys, tempfile
+import json
 import triton
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 from pallas_kernels import triton_decode_kernels as kernels
 from pallas_kernels.sparse_decode_triton import TritonDecodeTuning, plan
+from ptxas import ptxas_usage
 
 TYPES = dict(bfloat16="bf16", float32="fp32", int32="i32", uint32="u32")
 DTYPES = dict(q="bfloat16", k="bfloat16", v="bfloat16", centroids="bfloat16", table="int32",
               lengths="int32", budgets="int32", keys="uint32", phys="int32", slots="int32",
               count="int32")
-ptxas = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "ptxas")
 out = {}
 # Issue 5's shape: batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128.
 for launch in plan(batch=32, q_heads=32, kv_heads=8, head_dim=128, pages_total=65600,
@@ -287,13 +287,7 @@ for launch in plan(batch=32, q_heads=32, kv_heads=8, head_dim=128, pages_total=6
                     constexprs={(fn.arg_names.index(k),): v for k, v in consts.items()})
     k = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                        options=dict(num_warps=launch.num_warps, num_stages=launch.num_stages))
-    with tempfile.NamedTemporaryFile("w", suffix=".ptx", delete=False) as f:
-        f.write(k.asm["ptx"])
-    info = subprocess.run([ptxas, "-v", "--gpu-name", "sm_90a", f.name, "-o", os.devnull],
-                          capture_output=True, text=True, check=True).stderr
-    out[launch.kernel] = dict(
-        regs=int(re.search(r"Used (\d+) registers", info).group(1)),
-        spilled=sum(map(int, re.findall(r"(\d+) bytes spill (?:stores|loads)", info))))
+    out[launch.kernel] = ptxas_usage(k.asm["ptx"])
 print(json.dumps(out))
 """
 
@@ -308,7 +302,8 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = os.pathsep.join([root, env.get("PYTHONPATH", "")])
+    env["PYTHONPATH"] = os.pathsep.join([root, os.path.join(root, "tests"),
+                                         env.get("PYTHONPATH", "")])
     # Triton caches compiled kernels under $HOME, which a GPU machine's image may not let it
     # write: a fresh folder of the test's own.
     env["TRITON_CACHE_DIR"] = str(tmp_path / "triton_cache")
