@@ -19,6 +19,7 @@ import pytest
 from jax._src import mesh as mesh_lib
 from jax._src.pallas.triton import lowering as triton_lowering
 
+from pallas_kernels.paged_append_gpu import append_token_pallas
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, sparse_decode_pallas
 from ptxas import ptxas_usage
 from pallas_kernels.teacher_forced_gpu import (TeacherForcedTuning, page_masked_attention,
@@ -81,6 +82,25 @@ def test_teacher_forced_kernels_lower_for_h100():
         lambda s: select_pages_kernel(s, jnp.full((16,), t // p, jnp.int32),
                                       jnp.full((b, 16), 4, jnp.int32)), scores)
     assert len(names) == 1, names
+
+
+def append_shapes(*, layers=28, b=19, h=8, d=128, pages=38951, p=16):
+    """The rollout's Qwen3-1.7B cache at batch 19 (a 32K pool): page, slot, k, v, running sums,
+    one layer's K and V pages and centroids."""
+    return [jax.ShapeDtypeStruct(s, t) for s, t in [
+        ((b,), jnp.int32), ((b,), jnp.int32), ((b, h, d), jnp.bfloat16),
+        ((b, h, d), jnp.bfloat16), ((layers, b, h, d), jnp.float32),
+        ((h, pages, p, d), jnp.bfloat16), ((h, pages, p, d), jnp.bfloat16),
+        ((h, pages, d), jnp.bfloat16)]]
+
+
+def append_step(page, slot, k, v, sums, kp, vp, cent):
+    return append_token_pallas(page, slot, k, v, sums, kp, vp, cent, layer=3, page_size=16)
+
+
+def test_paged_append_lowers_for_h100():
+    # Not the shapes the ptxas test compiles: a lowering cached here would hide its module.
+    assert triton_kernels(append_step, *append_shapes(pages=1000)) == ["paged_append"]
 
 
 def test_an_unlowerable_kernel_fails_here():
@@ -171,6 +191,14 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch)
     report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [
         "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend"]
+    assert no_spills(report), report
+
+
+@needs_triton
+def test_paged_append_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+    report = ptxas_report(append_step, *append_shapes(), tmp_path=tmp_path,
+                          monkeypatch=monkeypatch)
+    assert [k.split("_", 1)[1] for k in report] == ["paged_append"]
     assert no_spills(report), report
 
 

@@ -134,8 +134,11 @@ def _check_summaries(cache, keys_per_layer, tables, lengths, p, dtype, quest):
                         np.asarray(cache.partial_max[layer, b].astype(jnp.float32)), tail.max(0))
 
 
-@pytest.mark.parametrize("dtype,scorer", [(jnp.float32, "quest"), (jnp.bfloat16, "centroid")])
-def test_prefill_write_then_appends_match_summaries_from_scratch(dtype, scorer):
+@pytest.mark.parametrize("dtype,scorer,impl", [
+    (jnp.float32, "quest", "xla"), (jnp.bfloat16, "centroid", "xla"),
+    (jnp.float32, "centroid", "pallas"), (jnp.bfloat16, "centroid", "pallas")])
+def test_prefill_write_then_appends_match_summaries_from_scratch(dtype, scorer, impl):
+    # impl: the appends through the XLA scatters or the one-kernel write (interpreted off GPU).
     p = 4
     prompt = [6, 8, 1]                          # mid-page, page boundary, one token
     steps = 11
@@ -166,7 +169,7 @@ def test_prefill_write_then_appends_match_summaries_from_scratch(dtype, scorer):
             k = jnp.asarray(keys[layer, np.arange(3), idx])
             v = jnp.asarray(vals[layer, np.arange(3), idx])
             cache = append_token(cache, layer, k, v, jnp.asarray(pos, jnp.int32),
-                                 jnp.asarray(active))
+                                 jnp.asarray(active), impl=impl)
         pos = pos + active
     final = pos.tolist()
     assert final == [prompt[0] + steps, prompt[1] + steps, prompt[2] + steps - 3]
@@ -181,7 +184,8 @@ def test_prefill_write_then_appends_match_summaries_from_scratch(dtype, scorer):
         np.testing.assert_array_equal(v_pages[:, page, slot], val)
 
 
-def test_inactive_rows_and_padding_write_nothing():
+@pytest.mark.parametrize("impl", ["xla", "pallas"])
+def test_inactive_rows_and_padding_write_nothing(impl):
     p = 4
     alloc = PageAllocator(16, p).allocate([3, 5], 1, 4)
     cache = init_cache(CFG, 16, alloc.page_table, page_size=p, dtype=jnp.float32)
@@ -189,12 +193,12 @@ def test_inactive_rows_and_padding_write_nothing():
     cache = write_chunk(cache, 0, k, k, 0, jnp.asarray([3, 5], jnp.int32))
     assert int(jnp.count_nonzero(cache.k_pages[0][0, :, :, 0])) == 3 + 5
     cache = append_token(cache, 0, jnp.full((2, 2, 8), 2.0), jnp.full((2, 2, 8), 2.0),
-                         jnp.asarray([3, 5], jnp.int32), jnp.asarray([False, False]))
+                         jnp.asarray([3, 5], jnp.int32), jnp.asarray([False, False]), impl=impl)
     assert np.asarray(cache.k_pages).max() == 1.0 and np.asarray(cache.v_pages).max() == 1.0
     # Past the page table (3 pages of 4 here): dropped, not wrapped onto the last page.
     sums = np.asarray(cache.partial_sum)
     cache = append_token(cache, 0, jnp.full((2, 2, 8), 3.0), jnp.full((2, 2, 8), 3.0),
-                         jnp.asarray([12, 13], jnp.int32), jnp.asarray([True, True]))
+                         jnp.asarray([12, 13], jnp.int32), jnp.asarray([True, True]), impl=impl)
     assert np.asarray(cache.k_pages).max() == 1.0
     np.testing.assert_array_equal(np.asarray(cache.partial_sum), sums)
 

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
+from pallas_kernels.paged_append_gpu import append_token_pallas, kernel_limits
 from sparrow_jax.attention.allocator import NULL_PAGE
 from sparrow_jax.config import ModelConfig
 
@@ -116,17 +117,29 @@ def _set(arrays: tuple, layer: int, value: jax.Array) -> tuple:
 
 
 def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, pos: jax.Array,
-                 write: jax.Array) -> PagedKVCache:
+                 write: jax.Array, *, impl: str = "auto") -> PagedKVCache:
     """Writes one token per row for ``layer``: k, v ``[B, H, D]`` at positions ``pos [B]``
     where ``write [B]`` (bool) and the position lies inside the page table, and updates the
     partial-page accumulators; a page's summaries are written when its last slot is.
-    ``lengths`` is the caller's to advance."""
+    ``lengths`` is the caller's to advance.
+
+    ``impl``: ``"xla"`` (the reference: scatters), ``"pallas"`` (one kernel,
+    :mod:`pallas_kernels.paged_append_gpu`; the centroid scorer's cache, power-of-two heads and
+    head_dim; interpreted off GPU) or ``"auto"`` (the kernel on a GPU where it applies)."""
     p, n = cache.page_size, cache.num_pages
     logical = pos // p
     write = write & (logical < cache.max_pages_per_seq)   # past the table: nowhere to write
     page = jnp.take_along_axis(cache.page_table, logical[:, None], axis=1, mode="clip")[:, 0]
     page = jnp.where(write, page, n)                 # dropped below
     slot = pos % p
+    if _append_impl(impl, cache) == "pallas":
+        sums, kp, vp, cent = append_token_pallas(
+            page, slot, k, v, cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
+            cache.centroids[layer], layer=layer, page_size=p,
+            interpret=jax.default_backend() != "gpu")
+        return cache.replace(k_pages=_set(cache.k_pages, layer, kp),
+                             v_pages=_set(cache.v_pages, layer, vp),
+                             centroids=_set(cache.centroids, layer, cent), partial_sum=sums)
     heads = jnp.arange(k.shape[1])[:, None]          # [H, 1] against [1, B] indices
     kh = jnp.swapaxes(k, 0, 1).astype(cache.k_pages[layer].dtype)   # [H, B, D]
     vh = jnp.swapaxes(v, 0, 1).astype(cache.v_pages[layer].dtype)
@@ -160,6 +173,19 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
             jnp.swapaxes(new_min, 0, 1), mode="drop")),
         kmax=_set(cache.kmax, layer, cache.kmax[layer].at[heads, full_page].set(
             jnp.swapaxes(new_max, 0, 1), mode="drop")))
+
+
+def _append_impl(impl: str, cache: PagedKVCache) -> str:
+    if impl not in ("auto", "xla", "pallas"):
+        raise ValueError(f"append_token: unknown impl {impl!r}; expected auto, xla or pallas")
+    h, _, _, d = cache.k_pages[0].shape
+    why = ("the kernel writes the centroid scorer's cache only" if cache.kmin is not None
+           else kernel_limits(h, d))
+    if impl == "auto":
+        return "pallas" if jax.default_backend() == "gpu" and why is None else "xla"
+    if impl == "pallas" and why is not None:
+        raise ValueError(f"append_token(impl='pallas'): {why}")
+    return impl
 
 
 def write_chunk(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, start: int,
