@@ -22,8 +22,10 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    follows each sequence's budget. The S partial results are merged in XLA.
 
 Shapes inside the kernels are powers of two (Triton's rule): the page table is padded to
-``Mpad`` slots, the query heads of a group to ``Rpad >= 16`` rows (the matrix units' minimum; so
-any group size, e.g. 5, works), the page list to ``Kpad`` entries. The settings that change
+``Mpad`` slots, the page list to ``Kpad`` entries, and a group's query heads are read from the
+unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so any group size,
+e.g. 5, works) by a masked load inside the kernels: padding them in XLA cost a kernel launch a
+layer, and the scoring programs read 16 rows where a group holds 2 (Qwen3-1.7B). The settings that change
 speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured on the H100
 and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
 rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
@@ -127,10 +129,20 @@ class GpuDecodeTuning:
         return dataclasses.replace(self, block_pages=bp, splits=splits)
 
 
+def _group_queries(q_ref, kv_head, group: int, rows: int) -> jax.Array:
+    """The query heads of KV head ``kv_head`` from q ``[Hq, D]`` as ``[rows, D]``, zero rows
+    past ``group``."""
+    hq, d = q_ref.shape
+    r = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
+    head = jnp.minimum(kv_head * group + r, hq - 1)
+    return plgpu.load(q_ref.at[head, lax.broadcasted_iota(jnp.int32, (rows, d), 1)],
+                      mask=r < group, other=0)
+
+
 def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
-    """Grid (B, Hkv, Mpad / C): q ``[Rpad, D]`` (zero rows past ``group``), centroids ``[N, D]``
-    (this KV head), table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
-    c = pl.program_id(2)
+    """Grid (B, Hkv, Mpad / C): q ``[Hq, D]`` (this row), centroids ``[N, D]`` (this KV head),
+    table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
+    h, c = pl.program_id(1), pl.program_id(2)
     n = (len_ref[0] + page_size - 1) // page_size
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
@@ -145,7 +157,8 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
 
     @pl.when(c * chunk < n - 2)
     def _():
-        qbar = jnp.sum(q_ref[...].astype(jnp.float32), axis=0) / group
+        qbar = jnp.sum(_group_queries(q_ref, h, group, _pow2(group)).astype(jnp.float32),
+                       axis=0) / group
         # Masked loads: slots past the row's pages read nothing.
         phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
         d = cent_ref.shape[1]
@@ -257,11 +270,11 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
 
 
 def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
-                   o_ref, m_ref, l_ref, *, page_size, block_pages, splits, scale):
-    """q ``[Rpad, D]``, pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` -> this split's
-    unnormalised output ``[Rpad, D]`` f32, running max and sum ``[Rpad]``."""
+                   o_ref, m_ref, l_ref, *, page_size, block_pages, splits, group, scale):
+    """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` ->
+    this split's unnormalised output ``[Rpad, D]`` f32, running max and sum ``[Rpad]``."""
     s = pl.program_id(2)
-    rpad, d = q_ref.shape
+    rpad, d = o_ref.shape
     block_k = block_pages * page_size
     count = count_ref[0]
     length = len_ref[0]
@@ -269,7 +282,7 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     per_split = (blocks + splits - 1) // splits
     start = s * per_split
     stop = jnp.minimum(start + per_split, blocks)
-    q = q_ref[...]
+    q = _group_queries(q_ref, pl.program_id(1), group, rpad)
     cdt = jnp.promote_types(q.dtype, k_ref.dtype)
     q = q.astype(cdt)
     tok = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 1)
@@ -411,43 +424,43 @@ def list_sizes(table_width: int, max_pages: int, tuning: GpuDecodeTuning) -> tup
 
 def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
     """q ``[B, Hq, D]`` -> ``[B, Hkv, Rpad, D]``: each KV head's query heads, zero rows added up
-    to a power of two >= 16 (the smallest matrix-unit tile)."""
+    to a power of two >= 16 (the smallest matrix-unit tile); the Mosaic GPU attention's input
+    (the kernels here read ``q`` unpadded)."""
     b, hq, d = q.shape
     r = hq // kv_heads
     return jnp.pad(q.reshape(b, kv_heads, r, d),
                    ((0, 0), (0, 0), (0, max(16, _pow2(r)) - r), (0, 0)))
 
 
-def select_page_lists(q_pad, group, centroids, page_table, lengths, budget_pages, *, page_size,
-                      max_pages, tuning=GpuDecodeTuning(), interpret=False):
-    """Scoring and selection kernels: q_pad ``[B, Hkv, Rpad, D]`` (:func:`pad_heads`) holding
-    ``group`` query heads per KV head, centroids ``[Hkv, N, D]``, page_table
+def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
+                      tuning=GpuDecodeTuning(), interpret=False):
+    """Scoring and selection kernels: q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, 2 * Kpad]``,
     slots ``[B, Hkv, 2 * Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each
     (sequence, KV head) in page order, as physical pages and as slots of the sequence; entries
     from count to Kpad - 1 repeat the last page, those from Kpad on are junk (never read)."""
-    b, hkv = q_pad.shape[:2]
-    tuning = tuning.resolve(page_size=page_size, batch=b, kv_heads=hkv, max_pages=max_pages)
+    tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=centroids.shape[0],
+                            max_pages=max_pages)
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    keys = score_keys(q_pad, group, centroids, table, lengths, page_size=page_size,
-                      tuning=tuning, interpret=interpret)
+    keys = score_keys(q, centroids, table, lengths, page_size=page_size, tuning=tuning,
+                      interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret)
 
 
-def score_keys(q_pad, group, centroids, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
+def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
                interpret=False):
-    """The scoring kernel alone: table ``[B, Mpad]`` (padded, :func:`list_sizes`) -> keys
-    ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
-    b, hkv, rpad, d = q_pad.shape
-    n_total = centroids.shape[1]
+    """The scoring kernel alone: q ``[B, Hq, D]``, table ``[B, Mpad]`` (padded,
+    :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
+    b, hq, d = q.shape
+    hkv, n_total = centroids.shape[:2]
     mpad = table.shape[1]
     chunk = tuning.score_chunk
     return pl.pallas_call(
-        functools.partial(_score_kernel, page_size=page_size, chunk=chunk, group=group),
+        functools.partial(_score_kernel, page_size=page_size, chunk=chunk, group=hq // hkv),
         grid=(b, hkv, mpad // chunk),
-        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, ci: (bi, hi, 0, 0)),
+        in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, ci: (bi, 0, 0)),
                   pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
                   pl.BlockSpec((None, chunk), lambda bi, hi, ci: (bi, ci)),
                   pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
@@ -455,7 +468,7 @@ def score_keys(q_pad, group, centroids, table, lengths, *, page_size, tuning=Gpu
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.score_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
-    )(q_pad, centroids, table, lengths)
+    )(q, centroids, table, lengths)
 
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
@@ -480,14 +493,15 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
     )(keys, table, lengths, budget_pages)
 
 
-def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths, *,
-                      page_size, tuning, interpret=False):
-    """Attention kernel and split merge: q_pad ``[B, Hkv, Rpad, D]`` with ``group`` real heads,
-    pages ``[Hkv, N, P, D]``, the lists of :func:`select_page_lists`, lengths ``[B]`` ->
-    ``[B, Hkv * group, D]`` in q's dtype; ``tuning`` resolved (:meth:`GpuDecodeTuning.resolve`).
-    """
-    b, hkv, rpad, d = q_pad.shape
-    n_total = k_pages.shape[1]
+def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size, tuning,
+                      interpret=False):
+    """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists
+    of :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype; ``tuning``
+    resolved (:meth:`GpuDecodeTuning.resolve`)."""
+    b, hq, d = q.shape
+    hkv, n_total = k_pages.shape[:2]
+    group = hq // hkv
+    rpad = max(16, _pow2(group))
     splits = tuning.splits
     kpad = phys.shape[-1]
     pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
@@ -496,9 +510,9 @@ def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, length
                                           lambda bi, hi, si: (bi, hi, si) + (0,) * len(blk))
     o, mx, l = pl.pallas_call(
         functools.partial(_attend_kernel, page_size=page_size, block_pages=tuning.block_pages,
-                          splits=splits, scale=d ** -0.5),
+                          splits=splits, group=group, scale=d ** -0.5),
         grid=(b, hkv, splits),
-        in_specs=[pl.BlockSpec((None, None, rpad, d), lambda bi, hi, si: (bi, hi, 0, 0)),
+        in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, si: (bi, 0, 0)),
                   pages_spec, pages_spec, list_spec, list_spec,
                   pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
                   pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
@@ -509,8 +523,8 @@ def attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, length
         compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
                                              num_stages=tuning.attend_stages),
         interpret=interpret, name="sparse_decode_attend",
-    )(q_pad, k_pages, v_pages, phys, slots, count, lengths)
-    return merge_splits(o, mx, l, group).astype(q_pad.dtype)
+    )(q, k_pages, v_pages, phys, slots, count, lengths)
+    return merge_splits(o, mx, l, group).astype(q.dtype)
 
 
 def merge_splits(o, mx, l, group):
@@ -530,10 +544,8 @@ def merge_splits(o, mx, l, group):
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
-    group = q.shape[1] // k_pages.shape[0]
-    q_pad = pad_heads(q, k_pages.shape[0])
     phys, slots, count = select_page_lists(
-        q_pad, group, centroids, page_table, lengths, budget_pages, page_size=page_size,
+        q, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, tuning=tuning, interpret=interpret)
-    return attend_page_lists(q_pad, group, k_pages, v_pages, phys, slots, count, lengths,
+    return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret)

@@ -136,20 +136,19 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
     mpad, kpad = list_sizes(m, kb, tuning)
     table_pad = jnp.pad(table, ((0, 0), (0, mpad - m)))
     centroid_bytes = b * HKV * (m - 3) * D * 2
-    q_pad = pad_heads(q, HKV)
 
     def select_only(q_, c_, t_, l_, bu_):
-        phys, _, count = select_page_lists(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, bu_,
+        phys, _, count = select_page_lists(q_, c_, t_, l_, bu_,
                                            page_size=P, max_pages=kb, tuning=tuning,
                                            interpret=interpret)
         return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
 
     def score_only(q_, c_, t_, l_):
-        keys = score_keys(pad_heads(q_, HKV), HQ // HKV, c_, t_, l_, page_size=P,
+        keys = score_keys(q_, c_, t_, l_, page_size=P,
                           tuning=tuning, interpret=interpret)
         return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
 
-    keys = score_keys(q_pad, HQ // HKV, centroids, table_pad, lengths, page_size=P,
+    keys = score_keys(q, centroids, table_pad, lengths, page_size=P,
                       tuning=tuning, interpret=interpret)
 
     def select_keys_only(keys_, t_, l_, bu_):
@@ -157,12 +156,12 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
                                           kpad=kpad, tuning=tuning, interpret=interpret)
         return keys_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(keys_.dtype)
 
-    phys, slots, count = select_page_lists(q_pad, HQ // HKV, centroids, table, lengths,
+    phys, slots, count = select_page_lists(q, centroids, table, lengths,
                                            budgets, page_size=P, max_pages=kb, tuning=tuning,
                                            interpret=interpret)
 
     def attend_only(q_, k_, v_, ph_, sl_, co_, l_):
-        return attend_page_lists(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_, l_,
+        return attend_page_lists(q_, k_, v_, ph_, sl_, co_, l_,
                                  page_size=P, tuning=tuning, interpret=interpret)
 
     def attend_mgpu(stages):
@@ -211,7 +210,7 @@ def selection_agreement(q, centroids, table, lengths, budgets, max_pages):
     from sparrow_jax.attention import selection
     b, hq, d = q.shape
     h = centroids.shape[0]
-    _, slots, count = select_page_lists(pad_heads(q, h), hq // h, centroids, table, lengths,
+    _, slots, count = select_page_lists(q, centroids, table, lengths,
                                         budgets, page_size=P, max_pages=max_pages)
     slots, count = np.asarray(slots), np.asarray(count)[..., 0]
     per_seq = jnp.moveaxis(centroids[:, table], 0, 1)                      # [B, H, M, D]

@@ -26,7 +26,7 @@ def attend(rng, *, lengths, budgets, hkv, r, d, run_lengths=None, **kw):
     budgets = jnp.asarray(budgets, jnp.int32)
     run = lengths if run_lengths is None else jnp.asarray(run_lengths, jnp.int32)
     q_pad = pad_heads(q, hkv)
-    phys, slots, count = select_page_lists(q_pad, r, cent, table, run, budgets, page_size=P,
+    phys, slots, count = select_page_lists(q, cent, table, run, budgets, page_size=P,
                                            max_pages=table.shape[1], interpret=INTERPRET)
     out = attend_page_lists_mgpu(q_pad, r, k, v, phys, slots, count, run, page_size=P,
                                  interpret=INTERPRET, **kw)

@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, pad_heads, score_keys,
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, score_keys,
                                               select_page_lists, sparse_decode_pallas)
 from reference_np import (KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case,
                           select_pages_np, sparse_decode_np)
@@ -119,7 +119,7 @@ def test_selection_equals_reference_and_lists_are_padded():
     budgets = np.array([30, 3, 64], np.int32)
     max_pages = 64
     phys, slots, count = select_page_lists(
-        pad_heads(q, 2), 2, cent, table, lengths, jnp.asarray(budgets), page_size=P,
+        q, cent, table, lengths, jnp.asarray(budgets), page_size=P,
         max_pages=max_pages, interpret=INTERPRET)
     got, phys = lists_as_sets(phys, slots, count)
     _, want = reference(q, k, v, cent, table, lengths, budgets)
@@ -145,7 +145,7 @@ def test_selection_in_a_wide_table_follows_each_row():
     assert table.shape[1] > 512
     budgets = jnp.asarray([40, 40, 64, 40, 200, 100], jnp.int32)
     phys, slots, count = select_page_lists(
-        pad_heads(q, 1), 2, cent, table, lengths, budgets, page_size=P, max_pages=256,
+        q, cent, table, lengths, budgets, page_size=P, max_pages=256,
         interpret=INTERPRET)
     got, _ = lists_as_sets(phys, slots, count)
     want_out, want = reference(q, k, v, cent, table, lengths, budgets)
@@ -166,7 +166,7 @@ def test_scoring_marks_every_slot_past_each_row():
                                               dtype=jnp.float32, spare_cols=300)
     mpad = 1024
     padded = jnp.pad(table, ((0, 0), (0, mpad - table.shape[1])))
-    keys = np.asarray(score_keys(pad_heads(q, 2), 3, cent, padded, lengths, page_size=P,
+    keys = np.asarray(score_keys(q, cent, padded, lengths, page_size=P,
                                  interpret=INTERPRET))
     assert keys.shape == (3, 2, mpad)
     qbar = as64(q).reshape(3, 2, 3, -1).mean(axis=2)
@@ -192,7 +192,7 @@ def test_ties_past_the_first_sizes_go_to_the_lower_page_index():
         cent[0, table[0, j]] = levels[{2: 2, 5: 1}.get(j % 12, 0)]
     q = np.ones((1, 2, d), np.float32)
     phys, slots, count = select_page_lists(
-        pad_heads(jnp.asarray(q), 1), 2, jnp.asarray(cent), jnp.asarray(table),
+        jnp.asarray(q), jnp.asarray(cent), jnp.asarray(table),
         jnp.asarray([n * P], jnp.int32), jnp.asarray([40], jnp.int32), page_size=P,
         max_pages=40, interpret=INTERPRET)
     got, _ = lists_as_sets(phys, slots, count)
@@ -214,7 +214,7 @@ def test_ties_go_to_the_lower_page_index():
         cent[0, table[0, j]] = levels[lvl]
     q = np.ones((1, 2, d), np.float32)
     phys, slots, count = select_page_lists(
-        pad_heads(jnp.asarray(q), hkv), 2, jnp.asarray(cent), jnp.asarray(table),
+        jnp.asarray(q), jnp.asarray(cent), jnp.asarray(table),
         jnp.asarray([12 * P - 5], jnp.int32), jnp.asarray([6], jnp.int32), page_size=P,
         max_pages=12, interpret=INTERPRET)
     got, _ = lists_as_sets(phys, slots, count)
@@ -234,7 +234,7 @@ def test_negative_and_zero_scores_order_correctly():
     budgets = np.arange(3, n_total + 1, dtype=np.int32)          # one row per budget
     rows = len(budgets)
     phys, slots, count = select_page_lists(
-        pad_heads(jnp.asarray(np.repeat(q, rows, 0)), 1), 1, jnp.asarray(cent),
+        jnp.asarray(np.repeat(q, rows, 0)), jnp.asarray(cent),
         jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n_total * P, jnp.int32),
         jnp.asarray(budgets), page_size=P, max_pages=n_total, interpret=INTERPRET)
     got, _ = lists_as_sets(phys, slots, count)
