@@ -303,3 +303,37 @@ def test_paged_attention_rejects_bad_shapes():
         paged_attention(q, k, v, table, lengths[:2])
     with pytest.raises(ValueError, match="unknown dense paged attention impl"):
         paged_attention(q, k, v, table, lengths, impl="cuda")
+
+
+@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
+def test_kernel_write_equals_xla_write_bit_for_bit(dtype):
+    """The one-kernel cache write (interpreted here) against the XLA scatters: every array equal
+    after appends that start pages, fill them, skip inactive rows and run past the table."""
+    p, steps = 4, 11
+    alloc = PageAllocator(40, p, seed=2).allocate([3, 4, 7], 1, steps - 4)
+    rng = np.random.default_rng(5)
+    caches = {impl: init_cache(CFG, 40, alloc.page_table, page_size=p, dtype=dtype)
+              for impl in ("xla", "pallas")}
+    pos = np.array([3, 4, 7])
+    for step in range(steps):
+        active = jnp.asarray([True, step % 3 != 1, True])
+        k, v = (jnp.asarray(rng.normal(size=(3, 2, 8)) * 3, jnp.float32) for _ in range(2))
+        for impl in caches:
+            for layer in range(2):
+                caches[impl] = append_token(caches[impl], layer, k, v,
+                                            jnp.asarray(pos, jnp.int32), active, impl=impl)
+        pos = pos + np.asarray(active)
+    assert pos.max() > alloc.page_table.shape[1] * p          # some writes fell off the table
+    for a, b in zip(jax.tree.leaves(caches["xla"]), jax.tree.leaves(caches["pallas"])):
+        np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
+
+
+def test_append_impl_is_checked():
+    cache = init_cache(CFG, 8, np.zeros((1, 2), np.int32), page_size=4, scorer="quest")
+    k = jnp.zeros((1, 2, 8))
+    with pytest.raises(ValueError, match="centroid scorer's cache only"):
+        append_token(cache, 0, k, k, jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool),
+                     impl="pallas")
+    with pytest.raises(ValueError, match="unknown impl 'triton'"):
+        append_token(cache, 0, k, k, jnp.zeros((1,), jnp.int32), jnp.ones((1,), bool),
+                     impl="triton")
