@@ -270,11 +270,12 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
 
 
 def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
-                   o_ref, m_ref, l_ref, *, page_size, block_pages, splits, group, scale):
+                   o_ref, m_ref, l_ref, *, page_size, block_pages, splits, group, rpad, scale):
     """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` ->
-    this split's unnormalised output ``[Rpad, D]`` f32, running max and sum ``[Rpad]``."""
+    this split's unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's
+    heads, computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores)."""
     s = pl.program_id(2)
-    rpad, d = o_ref.shape
+    d = o_ref.shape[1]
     block_k = block_pages * page_size
     count = count_ref[0]
     length = len_ref[0]
@@ -310,9 +311,15 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rpad,), jnp.float32))
     o, m, l = lax.fori_loop(start, stop, body, init)
-    o_ref[...] = o
-    m_ref[...] = m
-    l_ref[...] = l
+    # Only the group's rows go out: 16 rows a program where Qwen3-1.7B's group holds 2 would
+    # write (and the merge read) 8x the bytes.
+    junk = o_ref.shape[0] - 1
+    row = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
+    row_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
+    col_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 1)
+    plgpu.store(o_ref.at[jnp.minimum(row_d, junk), col_d], o, mask=row_d < group)
+    plgpu.store(m_ref.at[jnp.minimum(row, junk)], m, mask=row < group)
+    plgpu.store(l_ref.at[jnp.minimum(row, junk)], l, mask=row < group)
 
 
 def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
@@ -502,6 +509,7 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
     hkv, n_total = k_pages.shape[:2]
     group = hq // hkv
     rpad = max(16, _pow2(group))
+    rows = group + (group < rpad)               # the group's heads and a junk row, if any
     splits = tuning.splits
     kpad = phys.shape[-1]
     pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
@@ -510,16 +518,16 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
                                           lambda bi, hi, si: (bi, hi, si) + (0,) * len(blk))
     o, mx, l = pl.pallas_call(
         functools.partial(_attend_kernel, page_size=page_size, block_pages=tuning.block_pages,
-                          splits=splits, group=group, scale=d ** -0.5),
+                          splits=splits, group=group, rpad=rpad, scale=d ** -0.5),
         grid=(b, hkv, splits),
         in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, si: (bi, 0, 0)),
                   pages_spec, pages_spec, list_spec, list_spec,
                   pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
                   pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
-        out_specs=[per_split(rpad, d), per_split(rpad), per_split(rpad)],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rpad, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rpad), jnp.float32)],
+        out_specs=[per_split(rows, d), per_split(rows), per_split(rows)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
                                              num_stages=tuning.attend_stages),
         interpret=interpret, name="sparse_decode_attend",
@@ -528,8 +536,8 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
 
 
 def merge_splits(o, mx, l, group):
-    """Partial results ``o [B, Hkv, S, Rpad, D]``, max and sum ``[B, Hkv, S, Rpad]`` ->
-    ``[B, Hkv * group, D]`` float32: each split rescaled to the common max. Empty splits have
+    """Partial results ``o [B, Hkv, S, R, D]``, max and sum ``[B, Hkv, S, R]`` (the first
+    ``group`` of R rows real) -> ``[B, Hkv * group, D]`` float32: each split rescaled to the common max. Empty splits have
     l = 0 and drop out; a row with no tokens at all (length 0, padding) gets zeros."""
     b, hkv, _, _, d = o.shape
     m_all = jnp.max(mx, axis=2, keepdims=True)
