@@ -118,6 +118,8 @@ def test_refill_equals_static(model, temperature, schedule_name, slots, pool, pr
         assert stats.prefills == 4, stats
 
 
+# Narrowing donates the loop state for its pool; the shrinking per-row buffers must not warn.
+@pytest.mark.filterwarnings("error:Some donated buffers were not usable")
 @pytest.mark.parametrize("temperature,schedule_name,slots,pool,prefill_rows,tail", [
     (1.0, "sparse", 16, SMALL_POOL, 4, 2), (1.0, "dense", 5, BIG_POOL, None, 1)])
 def test_a_narrower_tail_keeps_the_samples(model, temperature, schedule_name, slots, pool,

@@ -202,7 +202,11 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                 # Under a mesh each shard gathers its own rows: indices local to the shard.
                 per_new = len(sched.shards[0].slots)
                 local = src - np.repeat(np.arange(groups, dtype=np.int32) * per_old, per_new)
-                state = _take_rows(state, _put_rows(local, mesh), mesh=mesh)
+                # Donated for the pool, which passes through in place; the per-row arrays
+                # shrink, so their buffers cannot be reused (XLA warns of each).
+                with warnings.catch_warnings():
+                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                    state = _take_rows(state, _put_rows(local, mesh), mesh=mesh)
 
     if groups * sched.result_rows > num_rows:   # placeholder rows: replicate, cut
         if mesh is not None:
