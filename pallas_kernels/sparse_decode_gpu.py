@@ -24,9 +24,10 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
 Shapes inside the kernels are powers of two (Triton's rule): the page table is padded to
 ``Mpad`` slots, the page list to ``Kpad`` entries, and a group's query heads are read from the
 unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so any group size,
-e.g. 5, works) by a masked load inside the kernels: padding them in XLA cost a kernel launch a
-layer, and the scoring programs read 16 rows where a group holds 2 (Qwen3-1.7B). The settings that change
-speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured on the H100
+e.g. 5, works) by a masked load inside the kernels, and only the group's rows of the attention's
+partial results are written: padding in XLA cost a kernel launch a layer, and 16 rows where
+Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change speed, never the result,
+are one static :class:`GpuDecodeTuning`. Variants measured on the H100
 and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
 rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
 61279f7, where they can be found.
@@ -311,8 +312,6 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rpad,), jnp.float32))
     o, m, l = lax.fori_loop(start, stop, body, init)
-    # Only the group's rows go out: 16 rows a program where Qwen3-1.7B's group holds 2 would
-    # write (and the merge read) 8x the bytes.
     junk = o_ref.shape[0] - 1
     row = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
     row_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
@@ -537,8 +536,9 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
 
 def merge_splits(o, mx, l, group):
     """Partial results ``o [B, Hkv, S, R, D]``, max and sum ``[B, Hkv, S, R]`` (the first
-    ``group`` of R rows real) -> ``[B, Hkv * group, D]`` float32: each split rescaled to the common max. Empty splits have
-    l = 0 and drop out; a row with no tokens at all (length 0, padding) gets zeros."""
+    ``group`` of R rows real) -> ``[B, Hkv * group, D]`` float32: each split rescaled to the
+    common max. Empty splits have l = 0 and drop out; a row with no tokens at all (length 0,
+    padding) gets zeros."""
     b, hkv, _, _, d = o.shape
     m_all = jnp.max(mx, axis=2, keepdims=True)
     w = jnp.exp(mx - m_all)

@@ -18,7 +18,9 @@ sequence, so there is no float32 copy of the pool. Summaries are taken from the 
 (cast to the cache dtype), so they equal a recomputation from the pages.
 
 Writes that must not happen (inactive rows, padding) are sent to page index ``num_pages`` with
-``mode="drop"``: one scatter per array, no branches, updated in place under donation.
+``mode="drop"``: one scatter per array, no branches, updated in place under donation. On a GPU a
+decode step's write is one kernel instead (:mod:`pallas_kernels.paged_append_gpu`: four small
+XLA kernels a layer cost ~10 us at 19 rows on the H100), the same bit for bit.
 """
 
 from __future__ import annotations
