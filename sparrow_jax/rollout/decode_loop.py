@@ -15,8 +15,10 @@ the recorded top log-probs. Each row samples from its own random stream
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
+import warnings
 from typing import NamedTuple
 
 import jax
@@ -230,6 +232,16 @@ def _on_mesh(body, mesh: Mesh | None, in_specs, out_specs):
 
 def _head_axis(settings: DecodeSettings) -> str | None:
     return None if settings.mesh is None or settings.mesh.shape[HEADS] == 1 else HEADS
+
+
+@contextlib.contextmanager
+def partly_donated():
+    """Calls that donate a whole loop state or cache for its pool's sake (updated in place),
+    where some other buffers change shape or are replaced and so cannot be reused: XLA's
+    warning about those says nothing wrong."""
+    with warnings.catch_warnings():
+        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        yield
 
 
 @functools.partial(jax.jit, static_argnames=("graphdef", "settings", "response_capacity"),

@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import sys
 import time
-import warnings
 from typing import NamedTuple, Sequence
 
 import jax
@@ -35,8 +34,9 @@ from sparrow_jax.attention.paged_cache import SCORERS, init_cache
 from sparrow_jax.attention.sparse import IMPLS
 from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
-from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, DecodeSettings, LoopState, run_chunk,
-                                             sharded_cache, start, table_width)
+from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, DecodeSettings, LoopState,
+                                             partly_donated, run_chunk, sharded_cache, start,
+                                             table_width)
 from sparrow_jax.rollout.sampling import SamplingParams, stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
@@ -340,10 +340,9 @@ def start_batch(batch: DecodeBatch, graphdef, params, key: jax.Array) -> LoopSta
     if mesh is not None:
         streams = jax.device_put(streams, NamedSharding(mesh, PartitionSpec(ROWS)))
     put = batch.put
-    with warnings.catch_warnings():
-        # The prefill's page table and per-prompt accumulators are replaced at fork, so their
-        # donated buffers go unused; the pages themselves are reused in place.
-        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    # The prefill's page table and per-prompt accumulators are replaced at fork; the pages
+    # themselves are reused in place.
+    with partly_donated():
         return start(graphdef, params, cache, put(lay.prompt_tokens), put(lay.prompt_lengths),
                      put(lay.prompt_caps), put(lay.page_table), put(lay.prompt_index),
                      put(lay.copy_src), put(lay.copy_dst), streams, put(lay.live),

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import functools
 import time
-import warnings
 from typing import Callable, Sequence
 
 import jax
@@ -44,8 +43,8 @@ from sparrow_jax.attention.paged_cache import init_cache
 from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
 from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, UNFINISHED, DecodeSettings, LoopState,
-                                             cache_specs, loop_specs, run_chunk, sharded_cache,
-                                             start)
+                                             cache_specs, loop_specs, partly_donated, run_chunk,
+                                             sharded_cache, start)
 from sparrow_jax.rollout.engine import (RolloutConfig, check_mesh, model_params, pool_size,
                                         prompt_caps, prompt_width)
 from sparrow_jax.rollout.refill_schedule import (Admission, RefillScheduler, RefillStats,
@@ -183,8 +182,7 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
         t0 = time.perf_counter()
         state = state._replace(cache=state.cache.replace(
             page_table=_put_rows(sched.table[:, :w], mesh)))
-        with warnings.catch_warnings():
-            warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+        with partly_donated():
             state, _ = run_chunk(graphdef, params, state, values, c,
                                  settings=settings.for_width(bound, w))
         finish, cache_lengths = np.asarray(state.finish), np.asarray(state.cache.lengths)
@@ -202,10 +200,8 @@ def run_refill(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, k
                 # Under a mesh each shard gathers its own rows: indices local to the shard.
                 per_new = len(sched.shards[0].slots)
                 local = src - np.repeat(np.arange(groups, dtype=np.int32) * per_old, per_new)
-                # Donated for the pool, which passes through in place; the per-row arrays
-                # shrink, so their buffers cannot be reused (XLA warns of each).
-                with warnings.catch_warnings():
-                    warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+                # The per-row arrays shrink; the pool passes through in place.
+                with partly_donated():
                     state = _take_rows(state, _put_rows(local, mesh), mesh=mesh)
 
     if groups * sched.result_rows > num_rows:   # placeholder rows: replicate, cut
@@ -239,8 +235,7 @@ def _admit_pending(state: LoopState, adm: Admission, graphdef, params, tokens, i
                                     adm.samples.reshape(-1)), mesh)
     # The pool is donated to the prefill and comes back as the newcomers' cache.
     cache = _prefill_cache(state.cache, put(adm.prefill_table), mesh)
-    with warnings.catch_warnings():
-        warnings.filterwarnings("ignore", "Some donated buffers were not usable")
+    with partly_donated():
         new = start(graphdef, params, cache, put(prompt_tokens), put(adm.prompt_lengths),
                     put(adm.caps), put(adm.row_table), put(adm.prompt_index),
                     put(adm.copy_src), put(adm.copy_dst), streams, put(adm.live),
