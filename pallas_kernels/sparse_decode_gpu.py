@@ -271,15 +271,33 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
 
 
 def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
-                   o_ref, m_ref, l_ref, *, page_size, block_pages, splits, group, rpad, scale):
-    """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` ->
-    this split's unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's
-    heads, computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores)."""
+                   o_ref, m_ref, l_ref, **settings):
+    """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` of
+    physical pages and their slots in the row -> this split's partial results
+    (:func:`_attend`)."""
+    _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref[0], len_ref[0],
+            o_ref, m_ref, l_ref, **settings)
+
+
+def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref,
+                         **settings):
+    """Dense decode: the list is the row's page table ``[W]``, every page below its length."""
+    length = len_ref[0]
+    count = (length + settings["page_size"] - 1) // settings["page_size"]
+    _attend(q_ref, k_ref, v_ref, table_ref, None, count, length, o_ref, m_ref, l_ref,
+            **settings)
+
+
+def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
+            page_size, block_pages, splits, group, rpad, scale):
+    """Online-softmax attention of one row's query group over this split's share of the
+    ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
+    unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
+    computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores)."""
     s = pl.program_id(2)
     d = o_ref.shape[1]
     block_k = block_pages * page_size
-    count = count_ref[0]
-    length = len_ref[0]
+    width = phys_ref.shape[0]
     blocks = (count + block_pages - 1) // block_pages
     per_split = (blocks + splits - 1) // splits
     start = s * per_split
@@ -293,8 +311,13 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
     def body(i, carry):
         o, m, l = carry
         sl = pl.ds(i * block_pages, block_pages)
-        phys = phys_ref[sl]
-        slot = slot_ref[sl]
+        if slot_ref is None:
+            # A page table's width need not be a multiple of the block: past it, page 0.
+            slot = i * block_pages + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
+            phys = plgpu.load(phys_ref.at[sl], mask=slot < width, other=0)
+        else:
+            phys = phys_ref[sl]
+            slot = slot_ref[sl]
         k = k_ref[phys].reshape(block_k, d).astype(cdt)
         v = v_ref[phys].reshape(block_k, d).astype(cdt)
         # [Rpad, block_k] float32; allow_tf32=False keeps float32 inputs exact.
@@ -504,24 +527,45 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
     """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists
     of :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype; ``tuning``
     resolved (:meth:`GpuDecodeTuning.resolve`)."""
+    list_spec = pl.BlockSpec((None, None, phys.shape[-1]), lambda bi, hi, si: (bi, hi, 0))
+    count_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0))
+    return _attend_call(_attend_kernel, q, k_pages, v_pages, [list_spec, list_spec, count_spec],
+                        [phys, slots, count], lengths, page_size=page_size, tuning=tuning,
+                        interpret=interpret, name="sparse_decode_attend")
+
+
+def attend_table(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
+                 interpret=False):
+    """Dense decode attention with the sparse step's attention kernel, each row's list being
+    its page table: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, page_table ``[B, W]`` int32,
+    lengths ``[B]`` int32 -> ``[B, Hq, D]`` in q's dtype; ``tuning`` resolved for
+    ``max_pages=W``. A row's splits share its own pages, so a short row in a wide table costs
+    its length, and rows read no head padding (JAX's GPU paged attention gives every row
+    ``W / k_splits``-page programs and writes 16 rows a group)."""
+    return _attend_call(_table_attend_kernel, q, k_pages, v_pages,
+                        [pl.BlockSpec((None, page_table.shape[1]), lambda bi, hi, si: (bi, 0))],
+                        [page_table], lengths, page_size=page_size, tuning=tuning,
+                        interpret=interpret, name="dense_decode_attend")
+
+
+def _attend_call(kernel, q, k_pages, v_pages, list_specs, lists, lengths, *, page_size, tuning,
+                 interpret, name):
+    """One attention kernel launch, grid ``(B, Hkv, S)``, and the split merge."""
     b, hq, d = q.shape
     hkv, n_total = k_pages.shape[:2]
     group = hq // hkv
     rpad = max(16, _pow2(group))
     rows = group + (group < rpad)               # the group's heads and a junk row, if any
     splits = tuning.splits
-    kpad = phys.shape[-1]
     pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
-    list_spec = pl.BlockSpec((None, None, kpad), lambda bi, hi, si: (bi, hi, 0))
     per_split = lambda *blk: pl.BlockSpec((None, None, None, *blk),
                                           lambda bi, hi, si: (bi, hi, si) + (0,) * len(blk))
     o, mx, l = pl.pallas_call(
-        functools.partial(_attend_kernel, page_size=page_size, block_pages=tuning.block_pages,
+        functools.partial(kernel, page_size=page_size, block_pages=tuning.block_pages,
                           splits=splits, group=group, rpad=rpad, scale=d ** -0.5),
         grid=(b, hkv, splits),
         in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, si: (bi, 0, 0)),
-                  pages_spec, pages_spec, list_spec, list_spec,
-                  pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0)),
+                  pages_spec, pages_spec, *list_specs,
                   pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
         out_specs=[per_split(rows, d), per_split(rows), per_split(rows)],
         out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rows, d), jnp.float32),
@@ -529,8 +573,8 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
                    jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
                                              num_stages=tuning.attend_stages),
-        interpret=interpret, name="sparse_decode_attend",
-    )(q, k_pages, v_pages, phys, slots, count, lengths)
+        interpret=interpret, name=name,
+    )(q, k_pages, v_pages, *lists, lengths)
     return merge_splits(o, mx, l, group).astype(q.dtype)
 
 

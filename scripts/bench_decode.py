@@ -2,7 +2,10 @@
 in one run on the GPU:
 
 * ``dense_xla_contiguous``: XLA attention on a contiguous cache (dense baseline 1);
-* ``dense_pallas_paged``: JAX's Pallas GPU paged attention (dense baseline 2);
+* ``dense_pallas_paged``: ``paged_attention(impl="pallas")``, the sparse step's attention
+  kernel over whole page tables (dense baseline 2, the engine's on GPU);
+* ``dense_pallas_jax``: JAX's Pallas GPU paged attention (dense baseline 3); "x vs dense" is
+  against the fastest of the three;
 * ``composition``: XLA centroid scores + ``lax.top_k`` + JAX's Pallas paged attention on the
   chosen pages (the off-the-shelf pieces);
 * ``xla_reference``: ``sparrow_jax.attention.sparse.sparse_decode(impl="reference")``;
@@ -44,7 +47,7 @@ from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_l
                                                  sparse_decode_triton)
 from sparrow_jax.benchmarking import (chained, contiguous_attention, median_seconds,
                                      profile_calls, read_ceiling)
-from sparrow_jax.attention.paged_dense import paged_attention_pallas
+from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_pallas_jax
 from sparrow_jax.attention.sparse import sparse_decode
 
 HQ, HKV, D, P = 32, 8, 128, 16
@@ -71,7 +74,7 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
     phys = jnp.take_along_axis(jnp.broadcast_to(table[:, None, :], (b, h, m)), chosen, -1)
     phys = phys + (jnp.arange(h) * n_total)[None, :, None]
     lens = (budget - 1) * P + lengths - (n - 1) * P
-    out = paged_attention_pallas(
+    out = paged_attention_pallas_jax(
         q.reshape(b * h, r, d), k_pages.reshape(1, h * n_total, P, d),
         v_pages.reshape(1, h * n_total, P, d), phys.reshape(b * h, budget),
         jnp.repeat(lens, h), interpret=interpret)
@@ -314,6 +317,10 @@ def main(argv=None):
                 cases["dense_pallas_paged"] = (None, functools.partial(
                     paged_attention_pallas, interpret=args.interpret),
                                                (q, k_pages, v_pages, table, lengths), dense_bytes)
+            if "dense_pallas_jax" not in args.skip:
+                cases["dense_pallas_jax"] = (None, functools.partial(
+                    paged_attention_pallas_jax, interpret=args.interpret),
+                                             (q, k_pages, v_pages, table, lengths), dense_bytes)
             budget_list = (args.budgets if ctx in args.sweep_contexts else [args.main_budget])
             for budget_tokens in budget_list:
                 kb = budget_tokens // P

@@ -1,7 +1,10 @@
-"""Dense decode attention over a paged KV cache: XLA gather vs JAX's Pallas paged attention vs
-XLA on a contiguous cache (one layer, bf16, GQA 32/8, head_dim 128, page 16).
+"""Dense decode attention over a paged KV cache: XLA gather vs the engine's Pallas kernel
+(``paged_attention(impl="pallas")``) vs JAX's Pallas paged attention vs XLA on a contiguous cache
+(one layer, bf16, GQA 32/8, head_dim 128, page 16).
 
-Pages are scattered in the pool (a random permutation), as after real allocation. Each timing
+Pages are scattered in the pool (a random permutation), as after real allocation.
+``--width-pages W``: every row's page table W pages wide whatever its context (continuous
+refill's short rows beside a long one; the contiguous baseline is left out there). Each timing
 runs ``--chain`` calls inside one jitted loop whose next query is the previous output, so XLA
 can neither merge nor skip them; warm-up first, then the median of ``--repeats`` runs, per call.
 
@@ -22,7 +25,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds
-from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_xla
+from sparrow_jax.attention.paged_dense import (paged_attention_pallas, paged_attention_pallas_jax,
+                                               paged_attention_xla)
 
 
 def main(argv=None):
@@ -36,7 +40,9 @@ def main(argv=None):
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=15)
     ap.add_argument("--pallas-configs", default="8x16,16x8,4x32",
-                    help="pages_per_compute_block x k_splits, comma separated")
+                    help="JAX's kernel: pages_per_compute_block x k_splits, comma separated")
+    ap.add_argument("--width-pages", type=int, default=None,
+                    help="page-table width for every row (default: the context's pages)")
     ap.add_argument("--out", default=None, help="JSON lines file")
     args = ap.parse_args(argv)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, "
@@ -47,7 +53,9 @@ def main(argv=None):
     rng = np.random.default_rng(0)
     for ctx in args.contexts:
         for b in args.batches:
-            m = ctx // p
+            m = args.width_pages or ctx // p
+            if m * p < ctx:
+                sys.exit(f"--width-pages {m}: narrower than context {ctx} ({ctx // p} pages)")
             n = b * m
             key = jax.random.key(ctx * 131 + b)
             kk, kv, kq = jax.random.split(key, 3)
@@ -56,20 +64,24 @@ def main(argv=None):
             table = jnp.asarray(rng.permutation(n).reshape(b, m).astype(np.int32))
             lengths = jnp.full((b,), ctx, jnp.int32)
             q = jax.random.normal(kq, (b, hq, d), jnp.bfloat16)
-            # The same tokens, contiguous per row: [B, H, S, D].
-            k_cont = jnp.swapaxes(jnp.take(k_pages, table, axis=1), 0, 1).reshape(b, h, ctx, d)
-            v_cont = jnp.swapaxes(jnp.take(v_pages, table, axis=1), 0, 1).reshape(b, h, ctx, d)
             kv_bytes = 2 * b * ctx * h * d * 2
             ref = np.asarray(paged_attention_xla(q, k_pages, v_pages, table, lengths), np.float32)
 
             paged_args = (q, k_pages, v_pages, table, lengths)
             cases = {"xla_paged": (paged_attention_xla, paged_args),
-                     "xla_contiguous": (contiguous_attention, (q, k_cont, v_cont, lengths))}
+                     "pallas": (paged_attention_pallas, paged_args)}
+            if m * p == ctx:
+                # The same tokens, contiguous per row: [B, H, S, D].
+                k_cont = jnp.swapaxes(jnp.take(k_pages, table, axis=1), 0, 1).reshape(
+                    b, h, ctx, d)
+                v_cont = jnp.swapaxes(jnp.take(v_pages, table, axis=1), 0, 1).reshape(
+                    b, h, ctx, d)
+                cases["xla_contiguous"] = (contiguous_attention, (q, k_cont, v_cont, lengths))
             for block, splits in configs:
                 if m % (block * splits):
                     continue
-                cases[f"pallas_b{block}_s{splits}"] = (functools.partial(
-                    paged_attention_pallas, pages_per_compute_block=block, k_splits=splits),
+                cases[f"pallas_jax_b{block}_s{splits}"] = (functools.partial(
+                    paged_attention_pallas_jax, pages_per_compute_block=block, k_splits=splits),
                     paged_args)
             for name, (fn, fn_args) in cases.items():
                 try:
@@ -83,7 +95,7 @@ def main(argv=None):
                            gb_per_s=kv_bytes / t / 1e9, max_abs_err_vs_xla=err)
                 rows.append(row)
                 print(json.dumps(row), flush=True)
-            del k_pages, v_pages, k_cont, v_cont, cases
+            del k_pages, v_pages, cases
     if args.out:
         with open(args.out, "w") as f:
             for r in rows:

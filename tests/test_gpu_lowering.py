@@ -21,6 +21,7 @@ from jax._src.pallas.triton import lowering as triton_lowering
 
 from pallas_kernels.paged_append_gpu import append_token_pallas
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, sparse_decode_pallas
+from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from ptxas import ptxas_usage
 from pallas_kernels.teacher_forced_gpu import (TeacherForcedTuning, page_masked_attention,
                                                select_pages_kernel)
@@ -61,6 +62,19 @@ def test_sparse_decode_lowers_for_h100(tuning, dtype, hq):
 
     assert triton_kernels(step, *c.values()) == [
         "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend"]
+
+
+def dense_shapes(*, b=64, width=516, pages=16449):
+    """Dense decode in the 8K refill's chunks: 64 slots, a 516-page table (no power of two),
+    Qwen3-1.7B's GQA 16/8."""
+    return [jax.ShapeDtypeStruct(s, t) for s, t in [
+        ((b, 16, 128), jnp.bfloat16), ((8, pages, 16, 128), jnp.bfloat16),
+        ((8, pages, 16, 128), jnp.bfloat16), ((b, width), jnp.int32), ((b,), jnp.int32)]]
+
+
+def test_dense_paged_attention_lowers_for_h100():
+    assert triton_kernels(paged_attention_pallas, *dense_shapes(pages=1000)) == [
+        "dense_decode_attend"]
 
 
 def test_teacher_forced_kernels_lower_for_h100():
@@ -191,6 +205,14 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch)
     report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [
         "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend"]
+    assert no_spills(report), report
+
+
+@needs_triton
+def test_dense_paged_attention_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+    report = ptxas_report(paged_attention_pallas, *dense_shapes(), tmp_path=tmp_path,
+                          monkeypatch=monkeypatch)
+    assert [k.split("_", 1)[1] for k in report] == ["dense_decode_attend"]
     assert no_spills(report), report
 
 

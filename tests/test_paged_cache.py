@@ -9,8 +9,10 @@ import pytest
 from sparrow_jax.attention.allocator import (NULL_PAGE, PageAllocator, PoolExhaustedError,
                                              pages_needed)
 from sparrow_jax.attention.paged_cache import append_token, fork, init_cache, write_chunk
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning
 from sparrow_jax.attention.paged_dense import (pallas_blocks, paged_attention,
                                                paged_attention_pallas,
+                                               paged_attention_pallas_jax,
                                                paged_attention_xla)
 from sparrow_jax.config import ModelConfig
 
@@ -277,12 +279,29 @@ def test_paged_attention_xla_matches_numpy():
     np.testing.assert_allclose(np.asarray(auto), want, rtol=2e-5, atol=2e-6)
 
 
-def test_paged_attention_pallas_interpreted_matches_numpy():
+def test_paged_attention_pallas_jax_interpreted_matches_numpy():
     # The table width 7 is padded to fit the kernel's blocks (2 pages x 2 splits -> 8).
     q, k, v, table, lengths = _attention_case()
     want = _np_paged_attention(q, k, v, table, lengths)
+    got = paged_attention_pallas_jax(*(jnp.asarray(x) for x in (q, k, v, table, lengths)),
+                                     pages_per_compute_block=2, k_splits=2, interpret=True)
+    np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("q_heads", [6, 2, 10])
+def test_paged_attention_pallas_interpreted_matches_numpy(splits, q_heads):
+    """The sparse step's attention kernel over whole page tables: a table width (7 pages) no
+    multiple of the block (4 pages), rows of 1 token, a partial last page and the full table,
+    GQA groups of 3, 1 and 5 heads, splits sharing a row's pages unevenly (3 splits of 2
+    blocks) or finding none."""
+    q, k, v, table, lengths = _attention_case()
+    q = np.random.default_rng(q_heads).normal(size=(3, q_heads, q.shape[-1])).astype(np.float32)
+    lengths = np.array([1, 28, 13], np.int32)
+    want = _np_paged_attention(q, k, v, table, lengths)
+    tuning = GpuDecodeTuning(block_pages=4, splits=splits)
     got = paged_attention_pallas(*(jnp.asarray(x) for x in (q, k, v, table, lengths)),
-                                 pages_per_compute_block=2, k_splits=2, interpret=True)
+                                 tuning=tuning, interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
 
 

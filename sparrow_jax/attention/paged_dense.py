@@ -5,15 +5,19 @@ Two implementations with one contract (float32 softmax, scale ``head_dim**-0.5``
 
 * ``"xla"``: gathers the rows' pages through the page table and runs two einsums. The CPU
   default and the reference.
-* ``"pallas"``: JAX's Pallas GPU paged attention (``jax.experimental.pallas.ops.gpu``), which
-  reads only the pages below each row's length.
+* ``"pallas"``: the attention kernel of the sparse GPU step
+  (:func:`pallas_kernels.sparse_decode_gpu.attend_table`) over each row's whole page table:
+  a row's splits share the pages below its length, so short rows in a wide table (continuous
+  refill) cost their length, and a GQA group's heads are not padded to 16 rows.
+* ``"pallas_jax"``: JAX's Pallas GPU paged attention (``jax.experimental.pallas.ops.gpu``), the
+  baseline the kernel above replaced: its programs are per ``W / k_splits`` pages of the
+  table whatever the row's length, and it writes 16 rows of partial results a group.
 * ``"pallas_tpu"``: JAX's Pallas TPU paged attention, wrapped in
   :mod:`pallas_kernels.paged_dense_tpu` (head_dim a multiple of 128, whole sublane tiles per
   page); off TPU it runs in TPU interpret mode (tests).
 
-``"auto"`` picks :data:`GPU_DEFAULT` on GPU for half-precision caches (the faster in
-scripts/bench_paged_dense.py: 1.3-2.5x faster than the XLA gather on the H100, see
-BENCHMARKS.md), ``"pallas_tpu"`` on TPU for half-precision caches whose shapes it takes, and
+``"auto"`` picks :data:`GPU_DEFAULT` on GPU for half-precision caches (the fastest in
+scripts/bench_paged_dense.py on the H100, see BENCHMARKS.md), ``"pallas_tpu"`` on TPU for half-precision caches whose shapes it takes, and
 ``"xla"`` elsewhere: float32 stays on XLA, since Triton's dots may round float32 inputs to TF32
 and the TPU kernel's to bfloat16. Off GPU the TPU choice is made when lowering
 (``lax.platform_dependent``), so a step exported for TPU from a CPU host holds the TPU kernel.
@@ -26,7 +30,7 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-IMPLS = ("auto", "xla", "pallas", "pallas_tpu")
+IMPLS = ("auto", "xla", "pallas", "pallas_jax", "pallas_tpu")
 # Measured on the H100 (BENCHMARKS.md, "Dense paged decode").
 GPU_DEFAULT = "pallas"
 # Finite, so a row with no valid key (length 0, a padding row) averages instead of giving NaN.
@@ -76,9 +80,28 @@ def paged_attention_xla(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
 
 
 def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
-                           page_table: jax.Array, lengths: jax.Array, *,
-                           pages_per_compute_block: int = 8, k_splits: int = 16,
+                           page_table: jax.Array, lengths: jax.Array, *, tuning=None,
                            interpret: bool = False) -> jax.Array:
+    """The sparse GPU step's attention kernel over each row's page table, behind the same
+    contract as :func:`paged_attention_xla`; ``tuning``: a
+    :class:`pallas_kernels.sparse_decode_gpu.GpuDecodeTuning` (None: its defaults), resolved
+    here for the batch and the table's width."""
+    from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, attend_table, kernel_limits
+    why = kernel_limits(q.shape[-1], k_pages.shape[2])
+    if why is not None:
+        raise ValueError(f"paged_attention(impl='pallas'): {why}; use impl='xla'")
+    b, width = page_table.shape
+    tuning = (tuning or GpuDecodeTuning()).resolve(
+        page_size=k_pages.shape[2], batch=b, kv_heads=k_pages.shape[0], max_pages=width)
+    return attend_table(q, k_pages, v_pages, page_table.astype(jnp.int32),
+                        lengths.astype(jnp.int32), page_size=k_pages.shape[2], tuning=tuning,
+                        interpret=interpret)
+
+
+def paged_attention_pallas_jax(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                               page_table: jax.Array, lengths: jax.Array, *,
+                               pages_per_compute_block: int = 8, k_splits: int = 16,
+                               interpret: bool = False) -> jax.Array:
     """JAX's Pallas GPU paged attention behind the same contract as :func:`paged_attention_xla`.
 
     Its kernel needs the table width to be a multiple of ``k_splits * pages_per_compute_block``
@@ -128,6 +151,8 @@ def paged_attention(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     chosen = resolve_impl(impl, head_dim, page_size, dtype)
     if chosen == "pallas":
         return paged_attention_pallas(*args)
+    if chosen == "pallas_jax":
+        return paged_attention_pallas_jax(*args)
     if chosen == "pallas_tpu":
         return _tpu(*args, interpret=jax.default_backend() != "tpu")
     if impl == "auto" and jax.default_backend() != "gpu" and resolve_impl(
@@ -146,7 +171,7 @@ def _tpu(*args, interpret=False):
 def resolve_impl(impl: str, head_dim: int, page_size: int, dtype,
                  platform: str | None = None) -> str:
     """The implementation ``paged_attention(impl=...)`` runs on ``platform`` (default
-    ``jax.default_backend()``): ``"xla"``, ``"pallas"`` or ``"pallas_tpu"``.
+    ``jax.default_backend()``): one of :data:`IMPLS` but ``"auto"``.
 
     ``"auto"``: the platform's kernel for half-precision caches whose shapes it takes, else
     ``"xla"``. A named ``"pallas_tpu"`` that cannot take the shapes raises ValueError."""
@@ -160,7 +185,8 @@ def resolve_impl(impl: str, head_dim: int, page_size: int, dtype,
         if jnp.dtype(dtype) not in (jnp.bfloat16, jnp.float16):
             return "xla"
         if platform == "gpu":
-            return GPU_DEFAULT
+            from pallas_kernels.sparse_decode_gpu import kernel_limits as gpu_limits
+            return GPU_DEFAULT if gpu_limits(head_dim, page_size) is None else "xla"
         return "pallas_tpu" if platform == "tpu" and why is None else "xla"
     if impl == "pallas_tpu" and why is not None:
         raise ValueError(f"paged_attention(impl='pallas_tpu'): {why}; use impl='xla' (or "
