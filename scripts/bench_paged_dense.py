@@ -24,6 +24,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning
 from sparrow_jax.benchmarking import chained, contiguous_attention, median_seconds
 from sparrow_jax.attention.paged_dense import (paged_attention_pallas, paged_attention_pallas_jax,
                                                paged_attention_xla)
@@ -43,6 +44,11 @@ def main(argv=None):
                     help="JAX's kernel: pages_per_compute_block x k_splits, comma separated")
     ap.add_argument("--width-pages", type=int, default=None,
                     help="page-table width for every row (default: the context's pages)")
+    ap.add_argument("--live-rows", type=int, default=None,
+                    help="only this many rows at the context, the rest at 1 token (a static "
+                         "batch's tail); the contiguous baseline is left out")
+    ap.add_argument("--splits", type=int, nargs="*", default=[],
+                    help="the engine's kernel also with these fixed split counts")
     ap.add_argument("--out", default=None, help="JSON lines file")
     args = ap.parse_args(argv)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, "
@@ -62,15 +68,19 @@ def main(argv=None):
             k_pages = jax.random.normal(kk, (h, n, p, d), jnp.bfloat16)
             v_pages = jax.random.normal(kv, (h, n, p, d), jnp.bfloat16)
             table = jnp.asarray(rng.permutation(n).reshape(b, m).astype(np.int32))
-            lengths = jnp.full((b,), ctx, jnp.int32)
+            live = min(b, args.live_rows or b)
+            lengths = jnp.asarray([ctx] * live + [1] * (b - live), jnp.int32)
             q = jax.random.normal(kq, (b, hq, d), jnp.bfloat16)
-            kv_bytes = 2 * b * ctx * h * d * 2
+            kv_bytes = 2 * int(jnp.sum(lengths)) * h * d * 2
             ref = np.asarray(paged_attention_xla(q, k_pages, v_pages, table, lengths), np.float32)
 
             paged_args = (q, k_pages, v_pages, table, lengths)
             cases = {"xla_paged": (paged_attention_xla, paged_args),
                      "pallas": (paged_attention_pallas, paged_args)}
-            if m * p == ctx:
+            for splits in args.splits:
+                cases[f"pallas_s{splits}"] = (functools.partial(
+                    paged_attention_pallas, tuning=GpuDecodeTuning(splits=splits)), paged_args)
+            if m * p == ctx and live == b:
                 # The same tokens, contiguous per row: [B, H, S, D].
                 k_cont = jnp.swapaxes(jnp.take(k_pages, table, axis=1), 0, 1).reshape(
                     b, h, ctx, d)

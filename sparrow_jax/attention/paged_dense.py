@@ -26,6 +26,8 @@ This module needs only jax (the benchmark runs it on a machine without flax).
 
 from __future__ import annotations
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 from jax import lax
@@ -84,17 +86,22 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            interpret: bool = False) -> jax.Array:
     """The sparse GPU step's attention kernel over each row's page table, behind the same
     contract as :func:`paged_attention_xla`; ``tuning``: a
-    :class:`pallas_kernels.sparse_decode_gpu.GpuDecodeTuning` (None: its defaults), resolved
-    here for the batch and the table's width."""
-    from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, attend_table, kernel_limits
-    why = kernel_limits(q.shape[-1], k_pages.shape[2])
+    :class:`pallas_kernels.sparse_decode_gpu.GpuDecodeTuning` (None: its defaults; splits
+    unset: :func:`~pallas_kernels.sparse_decode_gpu.table_splits`)."""
+    from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_table,
+                                                  default_block_pages, kernel_limits,
+                                                  table_splits)
+    page_size = k_pages.shape[2]
+    why = kernel_limits(q.shape[-1], page_size)
     if why is not None:
         raise ValueError(f"paged_attention(impl='pallas'): {why}; use impl='xla'")
     b, width = page_table.shape
-    tuning = (tuning or GpuDecodeTuning()).resolve(
-        page_size=k_pages.shape[2], batch=b, kv_heads=k_pages.shape[0], max_pages=width)
+    tuning = tuning or GpuDecodeTuning()
+    block = tuning.block_pages or default_block_pages(page_size)
+    tuning = dataclasses.replace(tuning, block_pages=block, splits=tuning.splits or table_splits(
+        b, k_pages.shape[0], width, block))
     return attend_table(q, k_pages, v_pages, page_table.astype(jnp.int32),
-                        lengths.astype(jnp.int32), page_size=k_pages.shape[2], tuning=tuning,
+                        lengths.astype(jnp.int32), page_size=page_size, tuning=tuning,
                         interpret=interpret)
 
 
