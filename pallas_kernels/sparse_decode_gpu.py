@@ -19,7 +19,9 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
 3. ``_attend_kernel``, grid ``(B, Hkv, S)``: online-softmax attention of all query heads of the
    group over the listed pages, the list split S ways (flash-decoding) so that small batches
    still fill the GPU; each split loops only over its share of its own row's list, so the cost
-   follows each sequence's budget. The S partial results are merged in XLA.
+   follows each sequence's budget. The S partial results are merged in XLA. The same kernel
+   with each row's page table as its list (``_table_attend_kernel``, :func:`attend_table`) is
+   the engine's dense decode attention on GPU.
 
 Shapes inside the kernels are powers of two (Triton's rule): the page table is padded to
 ``Mpad`` slots, the page list to ``Kpad`` entries, and a group's query heads are read from the

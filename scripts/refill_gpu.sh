@@ -13,9 +13,10 @@
 # (default $OUT), each under the name its part writes (refill_8k-sparse.json, ..), or from the
 # files SPARSE_8K=, DENSE_8K= (model-8k), SPARSE_32K=, DENSE_32K= (grpo-32k) name. The 8K runs
 # use 160 prompts of 32 tokens with caps from the log-normal mix, static batches of 32 (the pool
-# they need at full length), refill with 64 slots in the same pool. (With 96 prompts the last
-# row at the cap bounds refill at 8192 steps against the static engine's 3 x 8192: 1.70x
-# measured, sparse, 2026-11-25; with 160, 2.10x.) The 32K model prices 152 prompts (19 x 8
+# they need at full length), refill with 128 slots in the same pool and its tail narrowed down
+# to 8 (with 64 slots the last admission comes later and dense refill/static measured 1.79x,
+# with 128 2.05x; 2026-11-26). (With 96 prompts the last row at the cap bounds refill at 8192
+# steps against the static engine's 3 x 8192: 1.70x measured, sparse, 2026-11-25.) The 32K model prices 152 prompts (19 x 8
 # samples, 8 static batches of 19, the most whose 32K cache fits) on 48 refill slots in the same
 # pool. CUDA graphs on (XLA's default; GRAPHS=0 turns them off): without them a step launches
 # each of its kernels from the host, which at a few ms a step is most of the step and varies
@@ -33,7 +34,8 @@ source scripts/gpu_env.sh >/dev/null
 case $part in *32k*) frac=0.95 ;; *) frac=0.9 ;; esac
 export XLA_PYTHON_CLIENT_MEM_FRACTION=$frac
 [ "${GRAPHS:-1}" = 1 ] || export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_command_buffer="
-mix8k=(--max-new 8192 --batch 32 --rows 160 --slots 64 --prefill-rows 16 --length-mix lognormal)
+mix8k=(--max-new 8192 --batch 32 --rows 160 --slots 128 --tail-slots 8 --prefill-rows 16
+  --length-mix lognormal)
 model=(--repeats 4)
 mix32k=(--max-new 32768 --batch 19 --rows 152 --slots 48 --prefill-rows 16 --length-mix lognormal
   --contexts 128 2048 4096 8192 12288 16384 24576 32768)
