@@ -209,18 +209,13 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch)
 
 
 @needs_triton
-def test_dense_paged_attention_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
-    report = ptxas_report(paged_attention_pallas, *dense_shapes(), tmp_path=tmp_path,
-                          monkeypatch=monkeypatch)
-    assert [k.split("_", 1)[1] for k in report] == ["dense_decode_attend"]
-    assert no_spills(report), report
-
-
-@needs_triton
-def test_paged_append_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
-    report = ptxas_report(append_step, *append_shapes(), tmp_path=tmp_path,
-                          monkeypatch=monkeypatch)
-    assert [k.split("_", 1)[1] for k in report] == ["paged_append"]
+@pytest.mark.parametrize("fn,shapes,name", [
+    (paged_attention_pallas, dense_shapes, "dense_decode_attend"),
+    (append_step, append_shapes, "paged_append")])
+def test_one_kernel_compiles_for_hopper_without_spills(fn, shapes, name, tmp_path, monkeypatch):
+    """Dense decode attention and the cache write at the rollout's shapes."""
+    report = ptxas_report(fn, *shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert [k.split("_", 1)[1] for k in report] == [name]
     assert no_spills(report), report
 
 
