@@ -9,7 +9,7 @@ import pytest
 from sparrow_jax.attention.allocator import (NULL_PAGE, PageAllocator, PoolExhaustedError,
                                              pages_needed)
 from sparrow_jax.attention.paged_cache import append_token, fork, init_cache, write_chunk
-from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, table_splits
 from sparrow_jax.attention.paged_dense import (pallas_blocks, paged_attention,
                                                paged_attention_pallas,
                                                paged_attention_pallas_jax,
@@ -303,6 +303,17 @@ def test_paged_attention_pallas_interpreted_matches_numpy(splits, q_heads):
     got = paged_attention_pallas(*(jnp.asarray(x) for x in (q, k, v, table, lengths)),
                                  tuning=tuning, interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
+
+
+@pytest.mark.parametrize("batch,width,want", [
+    (32, 516, 9),      # 8K table: one wave would be 528 // 256 = 2 splits; 516 / 64 -> 9
+    (19, 2052, 33),    # 32K table: 3 for one wave, 33 for the 64-page rule
+    (1, 2052, 66),     # one row: the wave (528 // 8), more than the rule
+    (4, 3, 1)])        # a 3-page table: one split (fewer blocks than anything else)
+def test_table_splits_give_long_rows_programs(batch, width, want):
+    """Hand-worked on the H100's 132 SMs (4 attention programs each), 8 KV heads, 4-page
+    blocks: at least one split per 64 pages, at least one wave for the batch."""
+    assert table_splits(batch, 8, width, 4) == want
 
 
 @pytest.mark.parametrize("m", [1, 3, 5, 8, 13, 100, 256])
