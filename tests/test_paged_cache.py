@@ -305,6 +305,19 @@ def test_paged_attention_pallas_interpreted_matches_numpy(splits, q_heads):
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
 
 
+def test_dense_impl_auto_takes_the_gpu_kernel_where_it_fits():
+    from sparrow_jax.attention.paged_dense import resolve_impl
+
+    bf16 = jnp.bfloat16
+    assert resolve_impl("auto", 128, 16, bf16, platform="gpu") == "pallas"
+    assert resolve_impl("auto", 96, 16, bf16, platform="gpu") == "xla"       # head_dim no pow2
+    assert resolve_impl("auto", 128, 16, jnp.float32, platform="gpu") == "xla"
+    assert resolve_impl("pallas_jax", 128, 16, bf16, platform="gpu") == "pallas_jax"
+    with pytest.raises(ValueError, match="powers of two"):
+        q, k, v, table, lengths = (jnp.asarray(x) for x in _attention_case())
+        paged_attention_pallas(q[..., :12], k[..., :12], v[..., :12], table, lengths)
+
+
 @pytest.mark.parametrize("batch,width,want", [
     (32, 516, 9),      # 8K table: one wave would be 528 // 256 = 2 splits; 516 / 64 -> 9
     (19, 2052, 33),    # 32K table: 3 for one wave, 33 for the 64-page rule

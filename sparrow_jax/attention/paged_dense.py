@@ -1,6 +1,6 @@
 """Dense decode attention over the paged KV cache (one query token per sequence, one layer).
 
-Two implementations with one contract (float32 softmax, scale ``head_dim**-0.5``, keys masked by
+Implementations with one contract (float32 softmax, scale ``head_dim**-0.5``, keys masked by
 ``lengths``, GQA: query heads ``h*r .. h*r+r-1`` read KV head h):
 
 * ``"xla"``: gathers the rows' pages through the page table and runs two einsums. The CPU
@@ -16,9 +16,10 @@ Two implementations with one contract (float32 softmax, scale ``head_dim**-0.5``
   :mod:`pallas_kernels.paged_dense_tpu` (head_dim a multiple of 128, whole sublane tiles per
   page); off TPU it runs in TPU interpret mode (tests).
 
-``"auto"`` picks :data:`GPU_DEFAULT` on GPU for half-precision caches (the fastest in
-scripts/bench_paged_dense.py on the H100, see BENCHMARKS.md), ``"pallas_tpu"`` on TPU for half-precision caches whose shapes it takes, and
-``"xla"`` elsewhere: float32 stays on XLA, since Triton's dots may round float32 inputs to TF32
+``"auto"`` picks :data:`GPU_DEFAULT` on GPU for half-precision caches whose shapes its kernel
+takes (the fastest in scripts/bench_paged_dense.py on the H100, see BENCHMARKS.md),
+``"pallas_tpu"`` on TPU for half-precision caches whose shapes it takes, and ``"xla"``
+elsewhere: float32 stays on XLA, since Triton's dots may round float32 inputs to TF32
 and the TPU kernel's to bfloat16. Off GPU the TPU choice is made when lowering
 (``lax.platform_dependent``), so a step exported for TPU from a CPU host holds the TPU kernel.
 This module needs only jax (the benchmark runs it on a machine without flax).
