@@ -5,7 +5,8 @@
    case;
 2. ``scripts/bench_decode.py`` at 32K context, budget 2048 tokens (128 pages), page 16, GQA 32/8,
    head_dim 128, bf16, batches 1, 8, 32, 64: the Triton variants of ``--triton``, the Pallas
-   kernel and the dense baselines (XLA on a contiguous cache, JAX's Pallas paged attention),
+   kernel and the dense baselines (XLA on a contiguous cache, the engine's and JAX's Pallas
+   paged attention),
    bench_decode's timing (warm-up, chained calls, median of repeats, block_until_ready) and
    read ceiling, each output checked against the XLA reference; the breakdown (each part
    alone) at batches 1 and 32.
