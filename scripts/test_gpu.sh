@@ -12,12 +12,13 @@ part=${1:-all}
 shift || true
 case " $* " in *" -n "*) export XLA_PYTHON_CLIENT_PREALLOCATE=false ;; esac
 source scripts/gpu_env.sh   # wheels from .whl/, PYTHONPATH, the pins and the GPU checked
-# Each part's files: the GPU kernels; the model, cache, rollout and CLI; training; the TPU kernels;
-# the rest.
+# Each part's files: the GPU kernels (the sparse step's, dense decode's and the cache write's);
+# the model, decode, rollout and CLI; training; the TPU kernels; the rest.
 kernels="tests/test_sparse_kernel.py tests/test_sparse_kernel_triton.py tests/test_sparse_decode.py
-  tests/test_selection.py tests/test_teacher_forced_kernel.py tests/test_sparse_attend_mgpu.py"
+  tests/test_selection.py tests/test_teacher_forced_kernel.py tests/test_sparse_attend_mgpu.py
+  tests/test_paged_cache.py"
 models="tests/test_engine.py tests/test_engine_buckets.py tests/test_engine_topk.py
-  tests/test_decode.py tests/test_paged_cache.py tests/test_model.py tests/test_lm_head.py
+  tests/test_decode.py tests/test_model.py tests/test_lm_head.py
   tests/test_teacher_forced.py tests/test_hf_parity.py tests/test_hf_io.py tests/test_cli.py"
 train=$(ls tests/test_{trainer,safe_runs,update,grpo_loss,checkpoint,sharding,distill,demo}*.py \
   tests/test_multiprocess*.py 2>/dev/null || true)
