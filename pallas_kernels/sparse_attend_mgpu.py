@@ -39,16 +39,6 @@ ROWS = 64    # rows of a Hopper matrix instruction (wgmma)
 MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
 
-def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
-    """q ``[B, Hq, D]`` -> ``[B, Hkv, Rpad, D]``: each KV head's query heads, zero rows added up
-    to a power of two >= 16 (the smallest matrix-unit tile); this kernel's input (the Pallas
-    Triton kernels read ``q`` unpadded)."""
-    b, hq, d = q.shape
-    r = hq // kv_heads
-    return jnp.pad(q.reshape(b, kv_heads, r, d),
-                   ((0, 0), (0, 0), (0, max(16, 1 << (r - 1).bit_length()) - r), (0, 0)))
-
-
 def check_mgpu_attend(q_pad, k_pages, *, page_size: int, block_pages: int, splits: int,
                       stages: int) -> None:
     """ValueError naming what this kernel cannot take."""

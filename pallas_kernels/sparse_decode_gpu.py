@@ -3,13 +3,14 @@
 One decode step of docs/design.md, section 3 for one layer, in three kernels and a small combine:
 
 1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores ``qbar . centroid`` of the pages
-   that may be chosen (``1 .. n-3``) as int32 keys in the scores' signed order (ineligible slots
-   get the smallest key), reading nothing past the row (masked loads).
-2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key by a bitwise threshold
-   search (its top byte from the scoring programs' counts of their keys, then a block-wide
-   count per bit over the row held on chip, stopping once exactly ``K - 3`` keys reach it; no
-   sort), ties to the lower page index by a bitwise search over slot indices, plus the reserved
-   pages; the chosen slots are compacted in page order (a prefix sum) into a page list.
+   that may be chosen (``1 .. n-3``), turned into int32 keys whose signed order is the order of
+   the scores (ineligible slots get the smallest key). Reads one key-sized vector per page of
+   the row, nothing past it (masked loads).
+2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
+   threshold search (from the sign bit down, one block-wide count per bit over the row held on
+   chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
+   page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
+   are compacted in page order (a prefix sum) into a page list.
    The selection covers the smallest power of two of slots (256 at least) that holds the row's
    pages, and its searches are skipped when the budget covers the row; scoring programs past
    the row's pages only mark their slots. So a short row costs about the same whatever the
@@ -28,10 +29,10 @@ unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so 
 e.g. 5, works) by a masked load inside the kernels, and only the group's rows of the attention's
 partial results are written: padding in XLA cost a kernel launch a layer, and 16 rows where
 Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change speed, never the result,
-are one static :class:`GpuDecodeTuning`. Variants measured on the H100 and found no faster
-(fused scoring + selection, the split merge in the kernel, multi-bit radix rounds in the
-selection, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after
-commit 61279f7.
+are one static :class:`GpuDecodeTuning`. Variants measured on the H100
+and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
+rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
+61279f7, where they can be found.
 """
 
 from __future__ import annotations
@@ -141,11 +142,9 @@ def _group_queries(q_ref, kv_head, group: int, rows: int) -> jax.Array:
                       mask=r < group, other=0)
 
 
-def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, hist_ref, *, page_size, chunk,
-                  group):
+def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
     """Grid (B, Hkv, Mpad / C): q ``[Hq, D]`` (this row), centroids ``[N, D]`` (this KV head),
-    table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]`` and the histogram of
-    the eligible keys' top bytes ``[256]`` (:func:`_top_byte`)."""
+    table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
     h, c = pl.program_id(1), pl.program_id(2)
     n = (len_ref[0] + page_size - 1) // page_size
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -158,7 +157,6 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, hist_ref, *, pag
     @pl.when(c * chunk >= n - 2)
     def _():
         key_ref[...] = jnp.full((chunk,), _INT_MIN, jnp.int32)
-        hist_ref[...] = jnp.zeros((_BINS,), hist_ref.dtype)
 
     @pl.when(c * chunk < n - 2)
     def _():
@@ -174,55 +172,36 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, hist_ref, *, pag
                           other=0).astype(jnp.float32)                     # [C, D]
         # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
         score = jnp.sum(cent * qbar[None, :], axis=1)
-        keys = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
-        key_ref[...] = keys
-        bins = lax.broadcasted_iota(jnp.int32, (chunk, _BINS), 1)
-        hits = (_top_byte(keys)[:, None] == bins) & eligible[:, None]
-        hist_ref[...] = jnp.sum(hits.astype(jnp.int32), axis=0).astype(hist_ref.dtype)
-
-
-# Scoring counts its keys by top byte so that the selection's serial search starts below it:
-# 8 of its ~17 counting rounds become one pass over 256 counts made by parallel programs.
-_BINS = 256
-
-
-def _top_byte(keys: jax.Array) -> jax.Array:
-    """int32 keys -> their top byte as a bin in ``0 .. 255``, in the keys' signed order."""
-    return lax.shift_right_arithmetic(keys, jnp.int32(24)) + 128
+        key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
 
 def _count(mask: jax.Array) -> jax.Array:
     return jnp.sum(mask.astype(jnp.int32))
 
 
-def _select_kernel(key_ref, hist_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref,
-                   count_ref, *, page_size, max_pages, chunk):
-    """Grid (B, Hkv): keys ``[Mpad]``, the scoring programs' histograms ``[Mpad / C, 256]``,
-    table ``[Mpad]``, length, budget -> the page list (physical and logical, each ``[2 * Kpad]``:
-    entries ``count .. Kpad-1`` repeat the last page, the second half is never written on GPU)
-    and the count ``[1]``."""
+def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
+                   page_size, max_pages):
+    """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
+    (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
+    the second half is never written on GPU) and the count ``[1]``."""
     n = (len_ref[0] + page_size - 1) // page_size
     mpad = table_ref.shape[0]
     kpad = phys_ref.shape[0] // 2
     budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
     k = budget - RESERVED
 
-    def search(keys, slot, counts):
-        """(t, need, j) of the keys, ``counts`` ``[256]`` the eligible keys per top byte: the
-        threshold, how many keys equal to it to take, and the last slot among those taken."""
-        # A threshold T with #(keys >= T) >= k, its top byte the largest whose bin and those
-        # above hold k eligible keys, its other bits built from bit 23 down. count(keys >= t)
+    def search(keys, slot):
+        """(t, need, j) of the keys: the threshold, how many keys equal to it to take, and the
+        last slot among those taken."""
+        # A threshold T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t)
         # >= k holds throughout, so each round counts only the candidate with its bit set.
         # Ineligible keys are INT_MIN and every candidate is larger, so they are never counted.
         # The rounds stop once exactly k keys reach t: keys >= t are then the top k, whatever
         # the lower bits (the k-th and (k+1)-th keys first differ at that round's bit, about
         # half-way down for scores of a few thousand pages). Otherwise t ends as the k-th
         # largest key (k = 0: INT_MAX, nothing chosen) and ties at t are split below.
-        bins = lax.broadcasted_iota(jnp.int32, (_BINS,), 0)
-        at_or_above = jnp.sum(counts) - jnp.cumsum(counts) + counts
-        top = jnp.max(jnp.where(at_or_above >= k, bins, 0))
-        t = lax.shift_left(top - 128, jnp.int32(24))
-        first = jnp.sum(jnp.where(bins == top, at_or_above, 0))
+        first = _count(keys >= 0)
+        t = jnp.where(first >= k, jnp.int32(0), jnp.int32(_INT_MIN))
 
         def round_(carry):
             bit, t, _ = carry
@@ -231,7 +210,7 @@ def _select_kernel(key_ref, hist_ref, table_ref, len_ref, budget_ref, phys_ref, 
             return bit - 1, jnp.where(count >= k, cand, t), count == k
 
         _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
-                                 (jnp.int32(23), t, first == k))
+                                 (jnp.int32(30), t, first == k))
         need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
         equal = keys == t
         size = keys.shape[0]
@@ -258,13 +237,10 @@ def _select_kernel(key_ref, hist_ref, table_ref, len_ref, budget_ref, phys_ref, 
         keys = key_ref[pl.ds(0, size)]
         table = table_ref[pl.ds(0, size)]
         idx = lax.broadcasted_iota(jnp.int32, (size,), 0)
-        # The histograms of the programs that scored these slots (the others marked only).
-        counts = jnp.sum(hist_ref[pl.ds(0, max(1, size // chunk)), :].astype(jnp.int32),
-                         axis=0)
         # No search when the budget covers the row (traced values: the Triton lowering
         # cannot yield a literal from a cond).
         skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
-        t, need, j = lax.cond(n <= budget, skip, lambda: search(keys, idx, counts))
+        t, need, j = lax.cond(n <= budget, skip, lambda: search(keys, idx))
         chosen = (keys > t) | ((keys == t) & (idx <= j) & (need > 0))
         reserved = (idx == 0) | ((idx >= n - 2) & (idx < n))
         sel = jnp.where(n <= budget, idx < n, reserved | chosen)
@@ -491,6 +467,16 @@ def list_sizes(table_width: int, max_pages: int, tuning: GpuDecodeTuning) -> tup
     return mpad, kpad
 
 
+def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q ``[B, Hq, D]`` -> ``[B, Hkv, Rpad, D]``: each KV head's query heads, zero rows added up
+    to a power of two >= 16 (the smallest matrix-unit tile); the Mosaic GPU attention's input
+    (the kernels here read ``q`` unpadded)."""
+    b, hq, d = q.shape
+    r = hq // kv_heads
+    return jnp.pad(q.reshape(b, kv_heads, r, d),
+                   ((0, 0), (0, 0), (0, max(16, _pow2(r)) - r), (0, 0)))
+
+
 def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
                       tuning=GpuDecodeTuning(), interpret=False):
     """Scoring and selection kernels: q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, page_table
@@ -502,17 +488,16 @@ def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_s
                             max_pages=max_pages)
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    keys, hist = score_keys(q, centroids, table, lengths, page_size=page_size, tuning=tuning,
-                            interpret=interpret)
-    return select_from_keys(keys, hist, table, lengths, budget_pages, page_size=page_size,
+    keys = score_keys(q, centroids, table, lengths, page_size=page_size, tuning=tuning,
+                      interpret=interpret)
+    return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret)
 
 
 def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
                interpret=False):
     """The scoring kernel alone: q ``[B, Hq, D]``, table ``[B, Mpad]`` (padded,
-    :func:`list_sizes`) -> (keys ``[B, Hkv, Mpad]`` int32, the eligible keys' top-byte counts
-    of each scoring program ``[B, Hkv, Mpad / C, 256]`` int16; :func:`_score_kernel`)."""
+    :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
     b, hq, d = q.shape
     hkv, n_total = centroids.shape[:2]
     mpad = table.shape[1]
@@ -524,28 +509,24 @@ def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTunin
                   pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
                   pl.BlockSpec((None, chunk), lambda bi, hi, ci: (bi, ci)),
                   pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
-        out_specs=[pl.BlockSpec((None, None, chunk), lambda bi, hi, ci: (bi, hi, ci)),
-                   pl.BlockSpec((None, None, None, _BINS), lambda bi, hi, ci: (bi, hi, ci, 0))],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
-                   jax.ShapeDtypeStruct((b, hkv, mpad // chunk, _BINS), jnp.int16)],
+        out_specs=pl.BlockSpec((None, None, chunk), lambda bi, hi, ci: (bi, hi, ci)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.score_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
     )(q, centroids, table, lengths)
 
 
-def select_from_keys(keys, hist, table, lengths, budget_pages, *, page_size, max_pages, kpad,
+def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
                      tuning=GpuDecodeTuning(), interpret=False):
-    """The selection kernel alone: keys and histograms of :func:`score_keys`, table
-    ``[B, Mpad]`` -> the lists of :func:`select_page_lists`."""
+    """The selection kernel alone: keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]`` -> the lists of
+    :func:`select_page_lists`."""
     b, hkv, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
     return pl.pallas_call(
-        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
-                          chunk=mpad // hist.shape[2]),
+        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages),
         grid=(b, hkv),
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
-                  pl.BlockSpec((None, None, *hist.shape[2:]), lambda bi, hi: (bi, hi, 0, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
                   row, row],
         out_specs=[out(), out(), pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))],
@@ -554,7 +535,7 @@ def select_from_keys(keys, hist, table, lengths, budget_pages, *, page_size, max
                    jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_select",
-    )(keys, hist, table, lengths, budget_pages)
+    )(keys, table, lengths, budget_pages)
 
 
 def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size, tuning,

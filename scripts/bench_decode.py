@@ -40,9 +40,9 @@ import numpy as np
 from jax import lax
 
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
-                                             merge_splits, score_keys, select_from_keys,
+                                             merge_splits, pad_heads, score_keys, select_from_keys,
                                              select_page_lists, sparse_decode_pallas)
-from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu, pad_heads
+from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
 from sparrow_jax.benchmarking import (chained, contiguous_attention, median_seconds,
@@ -147,15 +147,15 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
         return q_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(q_.dtype)
 
     def score_only(q_, c_, t_, l_):
-        keys, hist = score_keys(q_, c_, t_, l_, page_size=P,
-                                tuning=tuning, interpret=interpret)
-        return q_ + (keys[:, :, 1].sum() + hist[:, :, 0, 0].sum() == -1).astype(q_.dtype)
+        keys = score_keys(q_, c_, t_, l_, page_size=P,
+                          tuning=tuning, interpret=interpret)
+        return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
 
-    keys, hist = score_keys(q, centroids, table_pad, lengths, page_size=P,
-                            tuning=tuning, interpret=interpret)
+    keys = score_keys(q, centroids, table_pad, lengths, page_size=P,
+                      tuning=tuning, interpret=interpret)
 
     def select_keys_only(keys_, t_, l_, bu_):
-        phys, _, count = select_from_keys(keys_, hist, t_, l_, bu_, page_size=P, max_pages=kb,
+        phys, _, count = select_from_keys(keys_, t_, l_, bu_, page_size=P, max_pages=kb,
                                           kpad=kpad, tuning=tuning, interpret=interpret)
         return keys_ + (phys[:, :, :1].sum() + count.sum() == -1).astype(keys_.dtype)
 

@@ -166,9 +166,9 @@ def test_scoring_marks_every_slot_past_each_row():
                                               dtype=jnp.float32, spare_cols=300)
     mpad = 1024
     padded = jnp.pad(table, ((0, 0), (0, mpad - table.shape[1])))
-    keys, hist = (np.asarray(x) for x in score_keys(q, cent, padded, lengths, page_size=P,
-                                                     interpret=INTERPRET))
-    assert keys.shape == (3, 2, mpad) and hist.shape == (3, 2, mpad // 64, 256)
+    keys = np.asarray(score_keys(q, cent, padded, lengths, page_size=P,
+                                 interpret=INTERPRET))
+    assert keys.shape == (3, 2, mpad)
     qbar = as64(q).reshape(3, 2, 3, -1).mean(axis=2)
     for b, n in enumerate(pages):
         for h in range(2):
@@ -177,13 +177,6 @@ def test_scoring_marks_every_slot_past_each_row():
             want = as64(cent)[h, np.asarray(table)[b, 1:n - 2]] @ qbar[b, h]
             assert (np.argsort(keys[b, h, 1:n - 2], kind="stable")
                     == np.argsort(want, kind="stable")).all()
-            # Each scoring program's counts of its eligible keys by top byte (bin = the
-            # byte + 128, in the keys' signed order); programs past the row count nothing.
-            for c in range(mpad // 64):
-                slots = np.arange(c * 64, (c + 1) * 64)
-                mine = keys[b, h, slots[(slots >= 1) & (slots < n - 2)]]
-                want_hist = np.bincount((mine >> 24) + 128, minlength=256)
-                assert (hist[b, h, c] == want_hist).all(), (b, h, c)
 
 
 def test_ties_past_the_first_sizes_go_to_the_lower_page_index():
