@@ -41,6 +41,9 @@ def main(argv=None):
     ap.add_argument("--rows", type=int, default=48)
     ap.add_argument("--context", type=int, default=128, help="the timed chunks' mean context")
     ap.add_argument("--min-width", type=int, default=0, help="page-table width at least")
+    ap.add_argument("--live", type=int, default=None,
+                    help="only the first LIVE rows running, the others finished (a lone row "
+                         "at the end of a batch: --live 1)")
     ap.add_argument("--max-new", type=int, default=32768)
     ap.add_argument("--prompt-len", type=int, default=32)
     ap.add_argument("--repeats", type=int, default=2, help="timed chunks of 64 steps")
@@ -69,7 +72,9 @@ def main(argv=None):
     batch, graphdef, params, state = fixed_context_batch(
         model, rc, rows=args.rows, prompt_len=args.prompt_len, key=jax.random.key(0),
         schedule=schedule, max_context=max_context)
-    timing = dict(repeats=args.repeats, min_width=args.min_width or None)
+    if args.live is not None and not 1 <= args.live <= args.rows:
+        raise SystemExit(f"--live {args.live}: between 1 and --rows ({args.rows})")
+    timing = dict(repeats=args.repeats, min_width=args.min_width or None, live=args.live)
     state, warm = time_context(batch, graphdef, params, state, args.context, **timing)
     trace_dir = tempfile.mkdtemp(prefix="profile_step_")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
@@ -81,11 +86,12 @@ def main(argv=None):
     dev = jax.devices()[0]
     out = dict(argv=sys.argv[1:] if argv is None else argv, device=dev.device_kind,
                backend=jax.default_backend(), jax=jax.__version__, model=args.model,
-               mode=args.mode, rows=args.rows, context=timed.mean_context,
+               mode=args.mode, rows=args.rows, live=args.live, context=timed.mean_context,
                table_width=timed.table_width, graphs=args.graphs, step_us=step_us,
                step_us_warm_up=1e6 * min(warm.step_seconds), traced_steps=traced_steps,
                lines=lines)
-    print(f"{dev.device_kind}: {args.model} {args.mode}, {args.rows} rows at context "
+    running = f" ({args.live} running)" if args.live is not None else ""
+    print(f"{dev.device_kind}: {args.model} {args.mode}, {args.rows} rows{running} at context "
           f"{timed.mean_context:.0f}, table {timed.table_width} pages, CUDA graphs "
           f"{'on' if args.graphs else 'off'}: {step_us:.0f} us a step")
     for line, entry in sorted(lines.items(), key=lambda kv: -kv[1]["total_us"]):
