@@ -132,13 +132,13 @@ class GpuDecodeTuning:
         return dataclasses.replace(self, block_pages=bp, splits=splits)
 
 
-def _group_queries(q_ref, kv_head, group: int, rows: int) -> jax.Array:
-    """The query heads of KV head ``kv_head`` from q ``[Hq, D]`` as ``[rows, D]``, zero rows
-    past ``group``."""
-    hq, d = q_ref.shape
+def _group_queries(q_ref, kv_head, group: int, rows: int, row=()) -> jax.Array:
+    """The query heads of KV head ``kv_head`` from q ``[Hq, D]`` (or ``q[row]`` of ``[B, Hq,
+    D]``) as ``[rows, D]``, zero rows past ``group``."""
+    hq, d = q_ref.shape[len(row):]
     r = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
     head = jnp.minimum(kv_head * group + r, hq - 1)
-    return plgpu.load(q_ref.at[head, lax.broadcasted_iota(jnp.int32, (rows, d), 1)],
+    return plgpu.load(q_ref.at[(*row, head, lax.broadcasted_iota(jnp.int32, (rows, d), 1))],
                       mask=r < group, other=0)
 
 
@@ -291,20 +291,28 @@ def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, 
 
 
 def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
-            page_size, block_pages, splits, group, rpad, scale):
+            page_size, block_pages, splits, group, rpad, scale, at=None):
     """Online-softmax attention of one row's query group over this split's share of the
     ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
     unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
-    computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores)."""
-    s = pl.program_id(2)
+    computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores).
+    ``at``: None, the grid's (row, KV head, split) blocks; or traced ``(row, kv_head, split)``
+    indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]``;
+    ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
+    if at is None:
+        row, kv, list_at, s = (), pl.program_id(1), (), pl.program_id(2)
+        pages_at = ()
+    else:
+        r, kv, s = at
+        row, pages_at, list_at = (r,), (kv,), (r, kv)
     d = o_ref.shape[1]
     block_k = block_pages * page_size
-    width = phys_ref.shape[0]
+    width = phys_ref.shape[-1]
     blocks = (count + block_pages - 1) // block_pages
     per_split = (blocks + splits - 1) // splits
     start = s * per_split
     stop = jnp.minimum(start + per_split, blocks)
-    q = _group_queries(q_ref, pl.program_id(1), group, rpad)
+    q = _group_queries(q_ref, kv, group, rpad, row)
     cdt = jnp.promote_types(q.dtype, k_ref.dtype)
     q = q.astype(cdt)
     tok = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 1)
@@ -316,12 +324,12 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
         if slot_ref is None:
             # A page table's width need not be a multiple of the block: past it, page 0.
             slot = i * block_pages + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
-            phys = plgpu.load(phys_ref.at[sl], mask=slot < width, other=0)
+            phys = plgpu.load(phys_ref.at[(*list_at, sl)], mask=slot < width, other=0)
         else:
-            phys = phys_ref[sl]
-            slot = slot_ref[sl]
-        k = k_ref[phys].reshape(block_k, d).astype(cdt)
-        v = v_ref[phys].reshape(block_k, d).astype(cdt)
+            phys = phys_ref[(*list_at, sl)]
+            slot = slot_ref[(*list_at, sl)]
+        k = k_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
+        v = v_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
         # [Rpad, block_k] float32; allow_tf32=False keeps float32 inputs exact.
         logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale
         ok = ((i * block_pages + entry < count)

@@ -42,6 +42,7 @@ from jax import lax
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
                                              merge_splits, pad_heads, score_keys, select_from_keys,
                                              select_page_lists, sparse_decode_pallas)
+from pallas_kernels.sparse_attend_balanced import attend_page_lists_balanced
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
@@ -167,6 +168,10 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
         return attend_page_lists(q_, k_, v_, ph_, sl_, co_, l_,
                                  page_size=P, tuning=tuning, interpret=interpret)
 
+    def attend_balanced(q_, k_, v_, ph_, sl_, co_, l_):
+        return attend_page_lists_balanced(q_, k_, v_, ph_, sl_, co_, l_, page_size=P,
+                                          tuning=tuning, interpret=interpret)
+
     def attend_mgpu(stages):
         def run(q_, k_, v_, ph_, sl_, co_, l_):
             return attend_page_lists_mgpu(pad_heads(q_, HKV), HQ // HKV, k_, v_, ph_, sl_, co_,
@@ -181,6 +186,10 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
         phys.shape[-1], dtype=jnp.int32)
     run = jnp.broadcast_to(jnp.minimum(run, b * m - 1), phys.shape)
     slots_run = jnp.broadcast_to(jnp.arange(phys.shape[-1], dtype=jnp.int32), phys.shape)
+    # Diagnostic: a static batch's tail, row 0's lists whole and every other row reading one
+    # page (as the engine runs finished rows).
+    lone = count.at[1:].set(1)
+    lone_bytes = HKV * kb * P * D * 2 * 2
 
     return {"part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
                                   centroid_bytes),
@@ -198,6 +207,17 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
             "part_attend_runs": (None, attend_only, (q, k_pages, v_pages, run, slots_run,
                                                      count, lengths),
                                  b * HKV * kb * P * D * 2 * 2),
+            # The attention on a flat grid shared out by list length
+            # (pallas_kernels/sparse_attend_balanced.py; experimental), checked like
+            # part_attend_mgpu below; then both with one row running.
+            "part_attend_balanced": (kb * P, attend_balanced, (q, k_pages, v_pages, phys,
+                                                               slots, count, lengths),
+                                     b * HKV * kb * P * D * 2 * 2),
+            "part_attend_lone": (None, attend_only, (q, k_pages, v_pages, phys, slots, lone,
+                                                     lengths), lone_bytes),
+            "part_attend_balanced_lone": (None, attend_balanced, (q, k_pages, v_pages, phys,
+                                                                  slots, lone, lengths),
+                                          lone_bytes),
             # The same attention as a Mosaic GPU kernel, pages fetched by TMA, 2 and 4 stages
             # (pallas_kernels/sparse_attend_mgpu.py; experimental). With the budget
             # named, so its output is checked against the reference like a whole step's.

@@ -244,3 +244,31 @@ def test_teacher_forced_kernels_compile_for_hopper(tmp_path, monkeypatch):
     assert names == ["teacher_forced_dkv", "teacher_forced_dq", "teacher_forced_forward",
                      "teacher_forced_select"], report
     assert no_spills({k: r for k, r in report.items() if not k.endswith("_dkv")}), report
+
+
+@needs_triton
+def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+    """The attention on a flat grid shared out by list length and its merge
+    (pallas_kernels/sparse_attend_balanced.py) at issue 5's shape compile for sm_90 without
+    spills."""
+    from pallas_kernels.sparse_attend_balanced import attend_page_lists_balanced
+    from pallas_kernels.sparse_decode_gpu import select_page_lists
+
+    b, m, pages, d = 32, 2049, 32 * 2049, 128
+    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
+        ((b, 32, d), jnp.bfloat16), ((8, pages, 16, d), jnp.bfloat16),
+        ((8, pages, 16, d), jnp.bfloat16), ((8, pages, d), jnp.bfloat16),
+        ((b, m), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32)]]
+
+    def step(q, k, v, cent, table, lengths, budget):
+        tuning = GpuDecodeTuning().resolve(page_size=16, batch=b, kv_heads=8, max_pages=128)
+        lists = select_page_lists(q, cent, table, lengths, budget, page_size=16,
+                                  max_pages=128, tuning=tuning)
+        return attend_page_lists_balanced(q, k, v, *lists, lengths, page_size=16,
+                                          tuning=tuning)
+
+    report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert [k.split("_", 1)[1] for k in report] == [
+        "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend_balanced",
+        "sparse_decode_merge"]
+    assert no_spills(report), report
