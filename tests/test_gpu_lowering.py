@@ -188,15 +188,21 @@ def no_spills(report) -> bool:
     return all(r["spilled"] == 0 and 0 < r["regs"] <= 255 for r in report.values())
 
 
+def issue5_shapes(b=32, m=2049, d=128):
+    """Issue 5's step: batch 32 at 32K tokens (2049 pages), GQA 32/8, head_dim 128: q, K and V
+    pages, centroids, page table, lengths, budgets."""
+    pages = b * m
+    return [jax.ShapeDtypeStruct(s, t) for s, t in [
+        ((b, 32, d), jnp.bfloat16), ((8, pages, 16, d), jnp.bfloat16),
+        ((8, pages, 16, d), jnp.bfloat16), ((8, pages, d), jnp.bfloat16),
+        ((b, m), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32)]]
+
+
 @needs_triton
 def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
     """Issue 5's shape (batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128), the
     default settings: the three kernels compile for sm_90 without spills."""
-    b, m, pages, d = 32, 2049, 32 * 2049, 128
-    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
-        ((b, 32, d), jnp.bfloat16), ((8, pages, 16, d), jnp.bfloat16),
-        ((8, pages, 16, d), jnp.bfloat16), ((8, pages, d), jnp.bfloat16),
-        ((b, m), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32)]]
+    shapes = issue5_shapes()
 
     def step(q, k, v, cent, table, lengths, budget):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
@@ -254,14 +260,10 @@ def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeyp
     from pallas_kernels.sparse_attend_balanced import attend_page_lists_balanced
     from pallas_kernels.sparse_decode_gpu import select_page_lists
 
-    b, m, pages, d = 32, 2049, 32 * 2049, 128
-    shapes = [jax.ShapeDtypeStruct(s, t) for s, t in [
-        ((b, 32, d), jnp.bfloat16), ((8, pages, 16, d), jnp.bfloat16),
-        ((8, pages, 16, d), jnp.bfloat16), ((8, pages, d), jnp.bfloat16),
-        ((b, m), jnp.int32), ((b,), jnp.int32), ((b,), jnp.int32)]]
+    shapes = issue5_shapes()
 
     def step(q, k, v, cent, table, lengths, budget):
-        tuning = GpuDecodeTuning().resolve(page_size=16, batch=b, kv_heads=8, max_pages=128)
+        tuning = GpuDecodeTuning().resolve(page_size=16, batch=32, kv_heads=8, max_pages=128)
         lists = select_page_lists(q, cent, table, lengths, budget, page_size=16,
                                   max_pages=128, tuning=tuning)
         return attend_page_lists_balanced(q, k, v, *lists, lengths, page_size=16,
