@@ -300,8 +300,8 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]``;
     ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
     if at is None:
-        row, kv, list_at, s = (), pl.program_id(1), (), pl.program_id(2)
-        pages_at = ()
+        row, pages_at, list_at = (), (), ()
+        kv, s = pl.program_id(1), pl.program_id(2)
     else:
         r, kv, s = at
         row, pages_at, list_at = (r,), (kv,), (r, kv)
