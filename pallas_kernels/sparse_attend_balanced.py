@@ -45,10 +45,7 @@ def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pag
 def _load_shares(counts_ref, *, programs, block_pages):
     n = counts_ref.shape[0]
     idx = lax.broadcasted_iota(jnp.int32, (_pow2(n),), 0)
-    # A dynamic start: the padded read runs past the array (masked), which a static slice of
-    # the ref would refuse.
-    at = pl.ds(pl.program_id(0) * 0, _pow2(n))
-    counts = plgpu.load(counts_ref.at[at], mask=idx < n, other=0)
+    counts = plgpu.load(counts_ref.at[pl.ds(0, _pow2(n))], mask=idx < n, other=0)
     shares, starts = list_shares(counts, idx < n, programs=programs, block_pages=block_pages)
     return idx, counts, shares, starts
 
