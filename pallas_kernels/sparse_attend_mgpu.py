@@ -1,9 +1,9 @@
 """Attention over selected page lists as a Mosaic GPU kernel (Hopper): pages gathered by TMA.
 
 The attention part of the sparse decode step (docs/design.md, section 3), the same inputs and
-result as :func:`pallas_kernels.sparse_decode_gpu.attend_page_lists`: the page lists of
+result as :func:`pallas_kernels.paged_attend_gpu.attend_page_lists`: the page lists of
 :func:`~pallas_kernels.sparse_decode_gpu.select_page_lists`, attended with online softmax,
-split into ``splits`` parts merged by :func:`~pallas_kernels.sparse_decode_gpu.merge_splits`.
+split into ``splits`` parts merged by :func:`~pallas_kernels.paged_attend_gpu.merge_splits`.
 
 Why a second kernel: the Triton-lowered one gathers each 4 KB page with computed pointers,
 and reads at about 78% of an H100's read ceiling (BENCHMARKS.md, run I). Here each page of K
@@ -32,7 +32,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.sparse_decode_gpu import merge_splits
+from pallas_kernels.paged_attend_gpu import merge_splits
 
 ROWS = 64    # rows of a Hopper matrix instruction (wgmma)
 # Finite, so that a row with no tokens keeps max = MASK_VALUE and sum 0 (merged to zeros).

@@ -16,19 +16,16 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    the row's pages only mark their slots. So a short row costs about the same whatever the
    table's width, which the batch's longest row sets (continuous refill: a long row beside
    many short ones).
-3. ``_attend_kernel``, grid ``(B, Hkv, S)``: online-softmax attention of all query heads of the
-   group over the listed pages, the list split S ways (flash-decoding) so that small batches
-   still fill the GPU; each split loops only over its share of its own row's list, so the cost
-   follows each sequence's budget. The S partial results are merged in XLA. The same kernel
-   with each row's page table as its list (``_table_attend_kernel``, :func:`attend_table`) is
-   the engine's dense decode attention on GPU.
+3. the attention over the lists (:mod:`pallas_kernels.paged_attend_gpu`, shared with dense
+   decode): online softmax of all query heads of the group over the listed pages, each list
+   split (flash-decoding) so that small batches still fill the GPU, each split looping only
+   over its share of its own row's list, so the cost follows each sequence's budget.
 
 Shapes inside the kernels are powers of two (Triton's rule): the page table is padded to
 ``Mpad`` slots, the page list to ``Kpad`` entries, and a group's query heads are read from the
 unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so any group size,
-e.g. 5, works) by a masked load inside the kernels, and only the group's rows of the attention's
-partial results are written: padding in XLA cost a kernel launch a layer, and 16 rows where
-Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change speed, never the result,
+e.g. 5, works) by a masked load inside the kernels: padding in XLA cost a kernel launch a
+layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change speed, never the result,
 are one static :class:`GpuDecodeTuning`. Variants measured on the H100
 and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
 rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
@@ -46,38 +43,34 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
+                                             pow2)
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (docs/design.md, section 3)
 _INT_MIN = -(2 ** 31)
 _INT_MAX = 2 ** 31 - 1
-# Finite, so that a fully masked block cannot turn the running max into NaN.
-_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 # Scalars inside kernels are typed (jnp.int32(0), not 0): the Triton lowering gives a weakly
 # typed constant in jnp.where the predicate's type.
 
 
-def _pow2(x: int) -> int:
-    return 1 << max(0, (int(x) - 1).bit_length())
-
-
-def _is_pow2(x: int) -> bool:
+def _ispow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 
 
 def check_launch_settings(tuning) -> None:
     """The launch settings the GPU kernels share (Pallas' :class:`GpuDecodeTuning` and the
     Triton path's): block_pages (None allowed), splits, score_chunk, warps, attend_stages."""
-    if tuning.block_pages is not None and not _is_pow2(tuning.block_pages):
+    if tuning.block_pages is not None and not _ispow2(tuning.block_pages):
         raise ValueError(f"block_pages must be a power of two, got {tuning.block_pages}")
     if tuning.splits is not None and tuning.splits < 1:
         raise ValueError(f"splits must be >= 1, got {tuning.splits}")
-    if not _is_pow2(tuning.score_chunk) or tuning.score_chunk < 16:
+    if not _ispow2(tuning.score_chunk) or tuning.score_chunk < 16:
         raise ValueError(f"score_chunk must be a power of two >= 16, got {tuning.score_chunk}")
     for name in ("score_warps", "select_warps", "attend_warps"):
         w = getattr(tuning, name)
-        if not _is_pow2(w) or w > 32:
+        if not _ispow2(w) or w > 32:
             raise ValueError(f"{name} must be a power of two in [1, 32], got {w}")
     if tuning.attend_stages < 1:
         raise ValueError(f"attend_stages must be >= 1, got {tuning.attend_stages}")
@@ -112,6 +105,9 @@ class GpuDecodeTuning:
       the defaults are the H100 sweep's (notes/kernel_notes.md, item 10): 2 warps and no
       software pipelining leave 228 registers a thread and 4 programs per SM, whose loads in
       flight read faster than Triton's 2-stage pipeline at 4 warps.
+    balanced: the attention on one wave of programs shared out by list length
+      (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced`; experimental, not
+      yet measured on a GPU) instead of ``splits`` for every list.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -120,6 +116,7 @@ class GpuDecodeTuning:
     select_warps: int = 4
     attend_warps: int = 2
     attend_stages: int = 1
+    balanced: bool = False
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -130,16 +127,6 @@ class GpuDecodeTuning:
         bp = self.block_pages or default_block_pages(page_size)
         splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
         return dataclasses.replace(self, block_pages=bp, splits=splits)
-
-
-def _group_queries(q_ref, kv_head, group: int, rows: int, row=()) -> jax.Array:
-    """The query heads of KV head ``kv_head`` from q ``[Hq, D]`` (or ``q[row]`` of ``[B, Hq,
-    D]``) as ``[rows, D]``, zero rows past ``group``."""
-    hq, d = q_ref.shape[len(row):]
-    r = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
-    head = jnp.minimum(kv_head * group + r, hq - 1)
-    return plgpu.load(q_ref.at[(*row, head, lax.broadcasted_iota(jnp.int32, (rows, d), 1))],
-                      mask=r < group, other=0)
 
 
 def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
@@ -160,7 +147,7 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
 
     @pl.when(c * chunk < n - 2)
     def _():
-        qbar = jnp.sum(_group_queries(q_ref, h, group, _pow2(group)).astype(jnp.float32),
+        qbar = jnp.sum(group_queries(q_ref, h, group, pow2(group)).astype(jnp.float32),
                        axis=0) / group
         # Masked loads: slots past the row's pages read nothing.
         phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
@@ -272,88 +259,6 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     lax.switch(which, [functools.partial(select, size) for size in sizes])
 
 
-def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
-                   o_ref, m_ref, l_ref, **settings):
-    """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` of
-    physical pages and their slots in the row -> this split's partial results
-    (:func:`_attend`)."""
-    _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref[0], len_ref[0],
-            o_ref, m_ref, l_ref, **settings)
-
-
-def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref,
-                         **settings):
-    """Dense decode: the list is the row's page table ``[W]``, every page below its length."""
-    length = len_ref[0]
-    count = (length + settings["page_size"] - 1) // settings["page_size"]
-    _attend(q_ref, k_ref, v_ref, table_ref, None, count, length, o_ref, m_ref, l_ref,
-            **settings)
-
-
-def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
-            page_size, block_pages, splits, group, rpad, scale, at=None):
-    """Online-softmax attention of one row's query group over this split's share of the
-    ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
-    unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
-    computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores).
-    ``at``: None, the grid's (row, KV head, split) blocks; or traced ``(row, kv_head, split)``
-    indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]``;
-    ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
-    if at is None:
-        row, pages_at, list_at = (), (), ()
-        kv, s = pl.program_id(1), pl.program_id(2)
-    else:
-        r, kv, s = at
-        row, pages_at, list_at = (r,), (kv,), (r, kv)
-    d = o_ref.shape[1]
-    block_k = block_pages * page_size
-    width = phys_ref.shape[-1]
-    blocks = (count + block_pages - 1) // block_pages
-    per_split = (blocks + splits - 1) // splits
-    start = s * per_split
-    stop = jnp.minimum(start + per_split, blocks)
-    q = _group_queries(q_ref, kv, group, rpad, row)
-    cdt = jnp.promote_types(q.dtype, k_ref.dtype)
-    q = q.astype(cdt)
-    tok = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 1)
-    entry = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 0)
-
-    def body(i, carry):
-        o, m, l = carry
-        sl = pl.ds(i * block_pages, block_pages)
-        if slot_ref is None:
-            # A page table's width need not be a multiple of the block: past it, page 0.
-            slot = i * block_pages + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
-            phys = plgpu.load(phys_ref.at[(*list_at, sl)], mask=slot < width, other=0)
-        else:
-            phys = phys_ref[(*list_at, sl)]
-            slot = slot_ref[(*list_at, sl)]
-        k = k_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
-        v = v_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
-        # [Rpad, block_k] float32; allow_tf32=False keeps float32 inputs exact.
-        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale
-        ok = ((i * block_pages + entry < count)
-              & (slot[:, None] * page_size + tok < length)).reshape(1, block_k)
-        logits = jnp.where(ok, logits, jnp.float32(_MASK_VALUE))
-        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
-        corr = jnp.exp(m - m_new)
-        p = jnp.exp(logits - m_new[:, None])
-        l_new = corr * l + jnp.sum(p, axis=1)
-        o_new = corr[:, None] * o + plgpu.dot(p.astype(cdt), v, allow_tf32=False)
-        return o_new, m_new, l_new
-
-    init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rpad,), jnp.float32))
-    o, m, l = lax.fori_loop(start, stop, body, init)
-    junk = o_ref.shape[0] - 1
-    row = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
-    row_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
-    col_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 1)
-    plgpu.store(o_ref.at[jnp.minimum(row_d, junk), col_d], o, mask=row_d < group)
-    plgpu.store(m_ref.at[jnp.minimum(row, junk)], m, mask=row < group)
-    plgpu.store(l_ref.at[jnp.minimum(row, junk)], l, mask=row < group)
-
-
 def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
                   block_pages: int | None = None) -> str | None:
     """Why the kernels cannot run a case (None when they can): they score page centroids only,
@@ -361,10 +266,10 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
     if scorer != "centroid":
         return f"the kernels score page centroids only (scorer='centroid'), got {scorer!r}"
     p, d = page_size, head_dim
-    if not _is_pow2(p) or not _is_pow2(d) or d < 16:
+    if not _ispow2(p) or not _ispow2(d) or d < 16:
         return (f"page_size ({p}) and head_dim ({d}) must be powers of two, head_dim >= 16 "
                 "(Triton block shapes, matrix-unit tiles)")
-    if block_pages is not None and (not _is_pow2(block_pages) or block_pages * p < 16):
+    if block_pages is not None and (not _ispow2(block_pages) or block_pages * p < 16):
         return (f"block_pages ({block_pages}) must be a power of two with block_pages x "
                 f"page_size >= 16")
     return None
@@ -373,40 +278,6 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
 def default_block_pages(page_size: int) -> int:
     """Pages per attention step: 4 (the H100 sweep at page 16), at least 16 tokens."""
     return max(4, 16 // page_size)
-
-
-# Attention programs per SM at the default settings (228 registers a thread at 2 warps).
-ATTEND_PROGRAMS_PER_SM = 4
-
-
-def sm_count() -> int:
-    """Streaming multiprocessors of the first device (132, an H100's, off GPU)."""
-    dev = jax.devices()[0]
-    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
-
-
-def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
-    """Splits of each page list: as many as one wave of attention programs holds
-    (:data:`ATTEND_PROGRAMS_PER_SM` per SM), at least one, at least one block of pages per
-    split. One wave, because a second, partly filled wave leaves the GPU idle at its end: at
-    batch 32 (256 rows) two splits took 180 us where four took 183 (H100)."""
-    slots = ATTEND_PROGRAMS_PER_SM * sm_count()
-    blocks = -(-max_pages // block_pages)
-    return int(max(1, min(blocks, slots // (batch * kv_heads))))
-
-
-# Dense decode: pages a split covers at most (16 blocks of 4), whatever the batch.
-TABLE_SPLIT_PAGES = 64
-
-
-def table_splits(batch: int, kv_heads: int, width: int, block_pages: int) -> int:
-    """Splits of each row's page table in dense decode: :func:`default_splits`, and at least
-    enough that a split covers :data:`TABLE_SPLIT_PAGES` pages of a full-width row. Rows differ
-    in length (a static batch's tail: a few long rows among finished ones), so one wave sized
-    for the batch leaves a lone long row to a few programs: at batch 32 with one 8K row live,
-    2 splits took 0.199 ms a layer, 16 took 0.052; with all 32 live, 0.406 and 0.421 (H100)."""
-    return max(default_splits(batch, kv_heads, width, block_pages),
-               -(-width // TABLE_SPLIT_PAGES))
 
 
 def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -469,9 +340,9 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, len
 
 def list_sizes(table_width: int, max_pages: int, tuning: GpuDecodeTuning) -> tuple[int, int]:
     """(Mpad, Kpad): the padded page-table width and page-list length; ``tuning`` resolved."""
-    kpad = max(_pow2(max_pages), tuning.block_pages)
+    kpad = max(pow2(max_pages), tuning.block_pages)
     # mpad >= kpad: every list entry below kpad gets a value.
-    mpad = max(_pow2(table_width), tuning.score_chunk, kpad)
+    mpad = max(pow2(table_width), tuning.score_chunk, kpad)
     return mpad, kpad
 
 
@@ -482,7 +353,7 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
     b, hq, d = q.shape
     r = hq // kv_heads
     return jnp.pad(q.reshape(b, kv_heads, r, d),
-                   ((0, 0), (0, 0), (0, max(16, _pow2(r)) - r), (0, 0)))
+                   ((0, 0), (0, 0), (0, max(16, pow2(r)) - r), (0, 0)))
 
 
 def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
@@ -544,77 +415,6 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
         compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_select",
     )(keys, table, lengths, budget_pages)
-
-
-def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size, tuning,
-                      interpret=False):
-    """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists
-    of :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype; ``tuning``
-    resolved (:meth:`GpuDecodeTuning.resolve`)."""
-    list_spec = pl.BlockSpec((None, None, phys.shape[-1]), lambda bi, hi, si: (bi, hi, 0))
-    count_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0))
-    return _attend_call(_attend_kernel, q, k_pages, v_pages, [list_spec, list_spec, count_spec],
-                        [phys, slots, count], lengths, page_size=page_size, tuning=tuning,
-                        interpret=interpret, name="sparse_decode_attend")
-
-
-def attend_table(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
-                 interpret=False):
-    """Dense decode attention with the sparse step's attention kernel, each row's list being
-    its page table: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, page_table ``[B, W]`` int32,
-    lengths ``[B]`` int32 -> ``[B, Hq, D]`` in q's dtype; ``tuning`` resolved for
-    ``max_pages=W``. A row's splits share its own pages, so a short row in a wide table costs
-    its length, and rows read no head padding (JAX's GPU paged attention gives every row
-    ``W / k_splits``-page programs and writes 16 rows a group)."""
-    return _attend_call(_table_attend_kernel, q, k_pages, v_pages,
-                        [pl.BlockSpec((None, page_table.shape[1]), lambda bi, hi, si: (bi, 0))],
-                        [page_table], lengths, page_size=page_size, tuning=tuning,
-                        interpret=interpret, name="dense_decode_attend")
-
-
-def _attend_call(kernel, q, k_pages, v_pages, list_specs, lists, lengths, *, page_size, tuning,
-                 interpret, name):
-    """One attention kernel launch, grid ``(B, Hkv, S)``, and the split merge."""
-    b, hq, d = q.shape
-    hkv, n_total = k_pages.shape[:2]
-    group = hq // hkv
-    rpad = max(16, _pow2(group))
-    rows = group + (group < rpad)               # the group's heads and a junk row, if any
-    splits = tuning.splits
-    pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
-    per_split = lambda *blk: pl.BlockSpec((None, None, None, *blk),
-                                          lambda bi, hi, si: (bi, hi, si) + (0,) * len(blk))
-    o, mx, l = pl.pallas_call(
-        functools.partial(kernel, page_size=page_size, block_pages=tuning.block_pages,
-                          splits=splits, group=group, rpad=rpad, scale=d ** -0.5),
-        grid=(b, hkv, splits),
-        in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, si: (bi, 0, 0)),
-                  pages_spec, pages_spec, *list_specs,
-                  pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
-        out_specs=[per_split(rows, d), per_split(rows), per_split(rows)],
-        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32)],
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
-                                             num_stages=tuning.attend_stages),
-        interpret=interpret, name=name,
-    )(q, k_pages, v_pages, *lists, lengths)
-    return merge_splits(o, mx, l, group).astype(q.dtype)
-
-
-def merge_splits(o, mx, l, group):
-    """Partial results ``o [B, Hkv, S, R, D]``, max and sum ``[B, Hkv, S, R]`` (the first
-    ``group`` of R rows real) -> ``[B, Hkv * group, D]`` float32: each split rescaled to the
-    common max. Empty splits have l = 0 and drop out; a row with no tokens at all (length 0,
-    padding) gets zeros."""
-    b, hkv, _, _, d = o.shape
-    m_all = jnp.max(mx, axis=2, keepdims=True)
-    w = jnp.exp(mx - m_all)
-    l_all = jnp.sum(w * l, axis=2)
-    o_all = jnp.sum(w[..., None] * o, axis=2)
-    out = jnp.where(l_all[..., None] > 0,
-                    o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
-    return out[:, :, :group].reshape(b, hkv * group, d)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))

@@ -10,7 +10,7 @@ same plan in Triton's interpreter):
 1. scoring (grid rows x chunks), then selection (grid rows);
 2. attention, grid rows x S splits, BP pages a step, all query heads of a KV head together,
    bf16 inputs with float32 accumulation;
-3. the S partial results merged in XLA (:func:`pallas_kernels.sparse_decode_gpu.merge_splits`).
+3. the S partial results merged in XLA (:func:`pallas_kernels.paged_attend_gpu.merge_splits`).
 
 Two variants measured slower on an H100 at every batch size and were removed (BENCHMARKS.md,
 the Triton path; the code is in the history): scoring and selection of a row fused into one
@@ -30,8 +30,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.sparse_decode_gpu import (_pow2, check_launch_settings, checked_centroids,
-                                              default_splits, merge_splits)
+from pallas_kernels.paged_attend_gpu import default_splits, merge_splits, pow2
+from pallas_kernels.sparse_decode_gpu import check_launch_settings, checked_centroids
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "
            "'sparrow-jax[triton]' (on a machine with an NVIDIA GPU)")
@@ -43,7 +43,7 @@ class TritonDecodeTuning:
 
     block_pages: pages per attention step (a power of two, at least 16 tokens).
     splits: parts of each page list attended in parallel (None: one wave of programs,
-      :func:`pallas_kernels.sparse_decode_gpu.default_splits`).
+      :func:`pallas_kernels.paged_attend_gpu.default_splits`).
     score_chunk: page slots scored per program or loop step (a power of two >= 16).
     histogram: find the selection threshold by four 256-bin histogram rounds, else by 32
       one-bit counting rounds.
@@ -84,15 +84,15 @@ def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_wi
     """The launches of one step. Buffers the first launch reads: ``q`` ``[B, Hq, D]`` (in
     ``compute_dtype``), ``k``, ``v`` ``[Hkv, N, P, D]``, ``centroids`` ``[Hkv, N, D]``,
     ``table`` ``[B, M]``, ``lengths``, ``budgets`` ``[B]`` int32; the last writes ``o``, ``m``,
-    ``l`` (partial results of :func:`pallas_kernels.sparse_decode_gpu.merge_splits`'s shapes)."""
+    ``l`` (partial results of :func:`pallas_kernels.paged_attend_gpu.merge_splits`'s shapes)."""
     rows = batch * kv_heads
     r = q_heads // kv_heads
-    rpad = max(16, _pow2(r))
+    rpad = max(16, pow2(r))
     m, c = table_width, tuning.score_chunk
     splits = tuning.splits or default_splits(batch, kv_heads, max_pages, tuning.block_pages)
     common = dict(HKV=kv_heads, HQ=q_heads, R=r, RPAD=rpad, D=head_dim, P=page_size,
                   N=pages_total)
-    select = dict(M=m, MPAD=max(_pow2(m), 16), MAXP=max_pages, HISTOGRAM=tuning.histogram)
+    select = dict(M=m, MPAD=max(pow2(m), 16), MAXP=max_pages, HISTOGRAM=tuning.histogram)
     lists = (("keys", (rows, m), "uint32"), ("phys", (rows, max_pages), "int32"),
              ("slots", (rows, max_pages), "int32"), ("count", (rows,), "int32"))
     partials = (("o", (batch, kv_heads, splits, rpad, head_dim), "float32"),

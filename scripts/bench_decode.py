@@ -39,10 +39,11 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 
-from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_page_lists, list_sizes,
-                                             merge_splits, pad_heads, score_keys, select_from_keys,
-                                             select_page_lists, sparse_decode_pallas)
-from pallas_kernels.sparse_attend_balanced import attend_page_lists_balanced
+from pallas_kernels.paged_attend_gpu import (attend_page_lists, attend_page_lists_balanced,
+                                             merge_splits)
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, pad_heads, score_keys,
+                                              select_from_keys, select_page_lists,
+                                              sparse_decode_pallas)
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
@@ -84,10 +85,12 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
 
 def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
-    attend_warps=4))."""
+    attend_warps=4)); 'a1': the balanced attention."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
-                 t="select_warps", g="attend_stages", v="score_warps")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgv])(\d+)", spec)}
+                 t="select_warps", g="attend_stages", v="score_warps", a="balanced")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgva])(\d+)", spec)}
+    if "balanced" in kw:
+        kw["balanced"] = bool(kw["balanced"])
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -208,7 +211,7 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
                                                      count, lengths),
                                  b * HKV * kb * P * D * 2 * 2),
             # The attention on a flat grid shared out by list length
-            # (pallas_kernels/sparse_attend_balanced.py; experimental), checked like
+            # (paged_attend_gpu.attend_page_lists_balanced; experimental), checked like
             # part_attend_mgpu below; then both with one row running.
             "part_attend_balanced": (kb * P, attend_balanced, (q, k_pages, v_pages, phys,
                                                                slots, count, lengths),
@@ -274,8 +277,8 @@ def main(argv=None):
     ap.add_argument("--kernel-configs", default="b4",
                     help="kernel variants (GpuDecodeTuning), comma separated, each "
                          "letters+numbers: b block_pages, s splits, w attention warps, "
-                         "g attention stages, c score_chunk, v score warps, t select warps "
-                         "(e.g. b4s2w2g1c64v4t4)")
+                         "g attention stages, c score_chunk, v score warps, t select warps, "
+                         "a1 the balanced attention (e.g. b4s2w2g1c64v4t4, b4a1)")
     ap.add_argument("--triton-configs", default="",
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "
                          "'default', or letters+numbers: b block_pages, s splits, w attention "

@@ -254,22 +254,17 @@ def test_teacher_forced_kernels_compile_for_hopper(tmp_path, monkeypatch):
 
 @needs_triton
 def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
-    """The attention on a flat grid shared out by list length and its merge
-    (pallas_kernels/sparse_attend_balanced.py) compile for sm_90 without spills: issue 5's
-    shape at the rollout's batch of 19 (152 lists, their counts read padded to 256)."""
-    from pallas_kernels.sparse_attend_balanced import attend_page_lists_balanced
-    from pallas_kernels.sparse_decode_gpu import select_page_lists
-
-    shapes = issue5_shapes(b=19)
-
+    """``GpuDecodeTuning(balanced=True)``: the step's attention on a flat grid shared out by
+    list length and its merge (pallas_kernels/paged_attend_gpu.py) compile for sm_90 without
+    spills: issue 5's shape at the rollout's batch of 19 (152 lists, their counts read padded
+    to 256)."""
     def step(q, k, v, cent, table, lengths, budget):
-        tuning = GpuDecodeTuning().resolve(page_size=16, batch=19, kv_heads=8, max_pages=128)
-        lists = select_page_lists(q, cent, table, lengths, budget, page_size=16,
-                                  max_pages=128, tuning=tuning)
-        return attend_page_lists_balanced(q, k, v, *lists, lengths, page_size=16,
-                                          tuning=tuning)
+        return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
+                                    centroids=cent, max_budget_pages=128,
+                                    tuning=GpuDecodeTuning(balanced=True))
 
-    report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    report = ptxas_report(step, *issue5_shapes(b=19), tmp_path=tmp_path,
+                          monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [
         "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend_balanced",
         "sparse_decode_merge"]

@@ -9,7 +9,8 @@ import pytest
 from sparrow_jax.attention.allocator import (NULL_PAGE, PageAllocator, PoolExhaustedError,
                                              pages_needed)
 from sparrow_jax.attention.paged_cache import append_token, fork, init_cache, write_chunk
-from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, table_splits
+from pallas_kernels.paged_attend_gpu import table_splits
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning
 from sparrow_jax.attention.paged_dense import (pallas_blocks, paged_attention,
                                                paged_attention_pallas,
                                                paged_attention_pallas_jax,

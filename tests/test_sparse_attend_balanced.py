@@ -1,5 +1,5 @@
-"""The attention on a flat grid shared out by list length (pallas_kernels/
-sparse_attend_balanced.py): its shares worked by hand, and its output against the float64
+"""The attention on a flat grid shared out by list length
+(pallas_kernels/paged_attend_gpu.py, ``attend_page_lists_balanced``): its shares worked by hand, and its output against the float64
 NumPy reference of docs/design.md, section 3 (tests/reference_np.py), the lists from the
 Pallas selection kernels. Interpret mode on CPU, compiled on a GPU."""
 
@@ -10,8 +10,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attend_balanced import attend_page_lists_balanced, list_shares
-from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, select_page_lists
+from pallas_kernels.paged_attend_gpu import attend_page_lists_balanced, list_shares
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, select_page_lists,
+                                              sparse_decode_pallas)
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close
 from test_sparse_kernel import P, as64, make_case, reference
 
@@ -78,3 +79,16 @@ def test_a_long_row_beside_finished_ones():
                        d=64, programs=24)
     assert_kernel_close(got[:3], want[:3], low_precision=True)
     assert (got[3] == 0).all()
+
+
+def test_the_whole_step_with_balanced_tuning():
+    """``GpuDecodeTuning(balanced=True)`` routes the sparse step's attention through it:
+    score, select, attend and merge against the float64 reference."""
+    rng = np.random.default_rng(11)
+    q, k, v, cent, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=4, d=64,
+                                              dtype=jnp.bfloat16)
+    budgets = jnp.asarray(KERNEL_BUDGETS, jnp.int32)
+    out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, centroids=cent,
+                               tuning=GpuDecodeTuning(balanced=True), interpret=INTERPRET)
+    assert_kernel_close(as64(out), reference(q, k, v, cent, table, lengths, budgets)[0],
+                        low_precision=True)

@@ -21,7 +21,7 @@ import pytest
 
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
-from pallas_kernels.sparse_decode_gpu import merge_splits
+from pallas_kernels.paged_attend_gpu import merge_splits
 from sparrow_jax.attention.sparse import sparse_decode
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, select_pages_np
 from test_sparse_kernel import P, as64, make_case, reference

@@ -6,7 +6,7 @@ Implementations with one contract (float32 softmax, scale ``head_dim**-0.5``, ke
 * ``"xla"``: gathers the rows' pages through the page table and runs two einsums. The CPU
   default and the reference.
 * ``"pallas"``: the attention kernel of the sparse GPU step
-  (:func:`pallas_kernels.sparse_decode_gpu.attend_table`) over each row's whole page table:
+  (:func:`pallas_kernels.paged_attend_gpu.attend_table`) over each row's whole page table:
   a row's splits share the pages below its length, so short rows in a wide table (continuous
   refill) cost their length, and a GQA group's heads are not padded to 16 rows.
 * ``"pallas_jax"``: JAX's Pallas GPU paged attention (``jax.experimental.pallas.ops.gpu``), the
@@ -88,10 +88,10 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """The sparse GPU step's attention kernel over each row's page table, behind the same
     contract as :func:`paged_attention_xla`; ``tuning``: a
     :class:`pallas_kernels.sparse_decode_gpu.GpuDecodeTuning` (None: its defaults; splits
-    unset: :func:`~pallas_kernels.sparse_decode_gpu.table_splits`)."""
-    from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, attend_table,
-                                                  default_block_pages, kernel_limits,
-                                                  table_splits)
+    unset: :func:`~pallas_kernels.paged_attend_gpu.table_splits`)."""
+    from pallas_kernels.paged_attend_gpu import attend_table, table_splits
+    from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, default_block_pages,
+                                                  kernel_limits)
     page_size = k_pages.shape[2]
     why = kernel_limits(q.shape[-1], page_size)
     if why is not None:

@@ -1,0 +1,367 @@
+"""Attention of a row's query group over a list of its pages, the GPU kernels (Pallas, Triton
+lowering; interpret mode on CPU) shared by the sparse step and dense decode.
+
+The sparse step's lists are the selection's (:mod:`pallas_kernels.sparse_decode_gpu`), dense
+decode's each row's page table (:func:`attend_table`, the engine's dense attention on GPU).
+Online softmax over blocks of pages in float32; a list is cut into splits (flash-decoding) so
+that small batches still fill the GPU, and the splits' partial results are merged:
+
+- :func:`attend_page_lists` and :func:`attend_table`, grid ``(B, Hkv, S)``: every list in the
+  same S splits, one wave of programs for the batch (:func:`default_splits`; dense decode at
+  least one split per :data:`TABLE_SPLIT_PAGES` pages, :func:`table_splits`), merged in XLA
+  (:func:`merge_splits`).
+- :func:`attend_page_lists_balanced` (``GpuDecodeTuning(balanced=True)``; experimental, not yet
+  measured on a GPU): one wave of programs shared out among the lists by their pages, so that
+  a long row beside finished or short ones (a static batch's tail, a continuous-refill chunk)
+  is not left to the batch's even split: at 32K with 18 of 19 rows finished, the even split
+  gave the long row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6
+  (H100), and a grid with more splits a row made every step pay for its idle programs and a
+  padded merge (+0.18 ms a step at 19 rows). Program ``p`` finds its list and split from the
+  prefix sum of the lists' shares (:func:`list_shares`), writes its partial result at ``p``,
+  and a second kernel merges each list's own partials.
+
+A group's query heads are read from the unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the
+matrix units' minimum) by a masked load; only the group's rows of the partial results are
+written (a junk row takes the padding rows' masked stores).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+# Finite, so that a fully masked block cannot turn the running max into NaN.
+_MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
+
+
+def pow2(x: int) -> int:
+    """The smallest power of two >= x (1 for x <= 1): Triton's block sides."""
+    return 1 << max(0, (int(x) - 1).bit_length())
+
+
+def group_queries(q_ref, kv_head, group: int, rows: int, row=()) -> jax.Array:
+    """The query heads of KV head ``kv_head`` from q ``[Hq, D]`` (or ``q[row]`` of ``[B, Hq,
+    D]``) as ``[rows, D]``, zero rows past ``group``."""
+    hq, d = q_ref.shape[len(row):]
+    r = lax.broadcasted_iota(jnp.int32, (rows, d), 0)
+    head = jnp.minimum(kv_head * group + r, hq - 1)
+    return plgpu.load(q_ref.at[(*row, head, lax.broadcasted_iota(jnp.int32, (rows, d), 1))],
+                      mask=r < group, other=0)
+
+
+def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
+                   o_ref, m_ref, l_ref, **settings):
+    """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` of
+    physical pages and their slots in the row -> this split's partial results
+    (:func:`_attend`)."""
+    _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref[0], len_ref[0],
+            o_ref, m_ref, l_ref, **settings)
+
+
+def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref,
+                         **settings):
+    """Dense decode: the list is the row's page table ``[W]``, every page below its length."""
+    length = len_ref[0]
+    count = (length + settings["page_size"] - 1) // settings["page_size"]
+    _attend(q_ref, k_ref, v_ref, table_ref, None, count, length, o_ref, m_ref, l_ref,
+            **settings)
+
+
+def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
+            page_size, block_pages, splits, group, rpad, scale, at=None):
+    """Online-softmax attention of one row's query group over this split's share of the
+    ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
+    unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
+    computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores).
+    ``at``: None, the grid's (row, KV head, split) blocks; or traced ``(row, kv_head, split)``
+    indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]``;
+    ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
+    if at is None:
+        row, pages_at, list_at = (), (), ()
+        kv, s = pl.program_id(1), pl.program_id(2)
+    else:
+        r, kv, s = at
+        row, pages_at, list_at = (r,), (kv,), (r, kv)
+    d = o_ref.shape[1]
+    block_k = block_pages * page_size
+    width = phys_ref.shape[-1]
+    blocks = (count + block_pages - 1) // block_pages
+    per_split = (blocks + splits - 1) // splits
+    start = s * per_split
+    stop = jnp.minimum(start + per_split, blocks)
+    q = group_queries(q_ref, kv, group, rpad, row)
+    cdt = jnp.promote_types(q.dtype, k_ref.dtype)
+    q = q.astype(cdt)
+    tok = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 1)
+    entry = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 0)
+
+    def body(i, carry):
+        o, m, l = carry
+        sl = pl.ds(i * block_pages, block_pages)
+        if slot_ref is None:
+            # A page table's width need not be a multiple of the block: past it, page 0.
+            slot = i * block_pages + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
+            phys = plgpu.load(phys_ref.at[(*list_at, sl)], mask=slot < width, other=0)
+        else:
+            phys = phys_ref[(*list_at, sl)]
+            slot = slot_ref[(*list_at, sl)]
+        k = k_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
+        v = v_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
+        # [Rpad, block_k] float32; allow_tf32=False keeps float32 inputs exact.
+        logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale
+        ok = ((i * block_pages + entry < count)
+              & (slot[:, None] * page_size + tok < length)).reshape(1, block_k)
+        logits = jnp.where(ok, logits, jnp.float32(_MASK_VALUE))
+        m_new = jnp.maximum(m, jnp.max(logits, axis=1))
+        corr = jnp.exp(m - m_new)
+        p = jnp.exp(logits - m_new[:, None])
+        l_new = corr * l + jnp.sum(p, axis=1)
+        o_new = corr[:, None] * o + plgpu.dot(p.astype(cdt), v, allow_tf32=False)
+        return o_new, m_new, l_new
+
+    init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rpad,), jnp.float32))
+    o, m, l = lax.fori_loop(start, stop, body, init)
+    junk = o_ref.shape[0] - 1
+    row = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
+    row_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
+    col_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 1)
+    plgpu.store(o_ref.at[jnp.minimum(row_d, junk), col_d], o, mask=row_d < group)
+    plgpu.store(m_ref.at[jnp.minimum(row, junk)], m, mask=row < group)
+    plgpu.store(l_ref.at[jnp.minimum(row, junk)], l, mask=row < group)
+
+
+# Attention programs per SM at the default settings (228 registers a thread at 2 warps).
+ATTEND_PROGRAMS_PER_SM = 4
+
+
+def sm_count() -> int:
+    """Streaming multiprocessors of the first device (132, an H100's, off GPU)."""
+    dev = jax.devices()[0]
+    return int(getattr(dev, "core_count", 0) or 132) if dev.platform == "gpu" else 132
+
+
+def default_splits(batch: int, kv_heads: int, max_pages: int, block_pages: int) -> int:
+    """Splits of each page list: as many as one wave of attention programs holds
+    (:data:`ATTEND_PROGRAMS_PER_SM` per SM), at least one, at least one block of pages per
+    split. One wave, because a second, partly filled wave leaves the GPU idle at its end: at
+    batch 32 (256 rows) two splits took 180 us where four took 183 (H100)."""
+    slots = ATTEND_PROGRAMS_PER_SM * sm_count()
+    blocks = -(-max_pages // block_pages)
+    return int(max(1, min(blocks, slots // (batch * kv_heads))))
+
+
+# Dense decode: pages a split covers at most (16 blocks of 4), whatever the batch.
+TABLE_SPLIT_PAGES = 64
+
+
+def table_splits(batch: int, kv_heads: int, width: int, block_pages: int) -> int:
+    """Splits of each row's page table in dense decode: :func:`default_splits`, and at least
+    enough that a split covers :data:`TABLE_SPLIT_PAGES` pages of a full-width row. Rows differ
+    in length (a static batch's tail: a few long rows among finished ones), so one wave sized
+    for the batch leaves a lone long row to a few programs: at batch 32 with one 8K row live,
+    2 splits took 0.199 ms a layer, 16 took 0.052; with all 32 live, 0.406 and 0.421 (H100)."""
+    return max(default_splits(batch, kv_heads, width, block_pages),
+               -(-width // TABLE_SPLIT_PAGES))
+
+
+def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size, tuning,
+                      interpret=False):
+    """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists
+    of :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype; ``tuning``
+    resolved (:meth:`GpuDecodeTuning.resolve`); ``tuning.balanced``:
+    :func:`attend_page_lists_balanced`."""
+    if tuning.balanced:
+        return attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
+                                          page_size=page_size, tuning=tuning,
+                                          interpret=interpret)
+    list_spec = pl.BlockSpec((None, None, phys.shape[-1]), lambda bi, hi, si: (bi, hi, 0))
+    count_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0))
+    return _attend_call(_attend_kernel, q, k_pages, v_pages, [list_spec, list_spec, count_spec],
+                        [phys, slots, count], lengths, page_size=page_size, tuning=tuning,
+                        interpret=interpret, name="sparse_decode_attend")
+
+
+def attend_table(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
+                 interpret=False):
+    """Dense decode attention with the sparse step's attention kernel, each row's list being
+    its page table: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, page_table ``[B, W]`` int32,
+    lengths ``[B]`` int32 -> ``[B, Hq, D]`` in q's dtype; ``tuning`` resolved for
+    ``max_pages=W``. A row's splits share its own pages, so a short row in a wide table costs
+    its length, and rows read no head padding (JAX's GPU paged attention gives every row
+    ``W / k_splits``-page programs and writes 16 rows a group)."""
+    return _attend_call(_table_attend_kernel, q, k_pages, v_pages,
+                        [pl.BlockSpec((None, page_table.shape[1]), lambda bi, hi, si: (bi, 0))],
+                        [page_table], lengths, page_size=page_size, tuning=tuning,
+                        interpret=interpret, name="dense_decode_attend")
+
+
+def _attend_call(kernel, q, k_pages, v_pages, list_specs, lists, lengths, *, page_size, tuning,
+                 interpret, name):
+    """One attention kernel launch, grid ``(B, Hkv, S)``, and the split merge."""
+    b, hq, d = q.shape
+    hkv, n_total = k_pages.shape[:2]
+    group = hq // hkv
+    rpad = max(16, pow2(group))
+    rows = group + (group < rpad)               # the group's heads and a junk row, if any
+    splits = tuning.splits
+    pages_spec = pl.BlockSpec((None, n_total, page_size, d), lambda bi, hi, si: (hi, 0, 0, 0))
+    per_split = lambda *blk: pl.BlockSpec((None, None, None, *blk),
+                                          lambda bi, hi, si: (bi, hi, si) + (0,) * len(blk))
+    o, mx, l = pl.pallas_call(
+        functools.partial(kernel, page_size=page_size, block_pages=tuning.block_pages,
+                          splits=splits, group=group, rpad=rpad, scale=d ** -0.5),
+        grid=(b, hkv, splits),
+        in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, si: (bi, 0, 0)),
+                  pages_spec, pages_spec, *list_specs,
+                  pl.BlockSpec((1,), lambda bi, hi, si: (bi,))],
+        out_specs=[per_split(rows, d), per_split(rows), per_split(rows)],
+        out_shape=[jax.ShapeDtypeStruct((b, hkv, splits, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
+                                             num_stages=tuning.attend_stages),
+        interpret=interpret, name=name,
+    )(q, k_pages, v_pages, *lists, lengths)
+    return merge_splits(o, mx, l, group).astype(q.dtype)
+
+
+def merge_splits(o, mx, l, group):
+    """Partial results ``o [B, Hkv, S, R, D]``, max and sum ``[B, Hkv, S, R]`` (the first
+    ``group`` of R rows real) -> ``[B, Hkv * group, D]`` float32: each split rescaled to the
+    common max. Empty splits have l = 0 and drop out; a row with no tokens at all (length 0,
+    padding) gets zeros."""
+    b, hkv, _, _, d = o.shape
+    m_all = jnp.max(mx, axis=2, keepdims=True)
+    w = jnp.exp(mx - m_all)
+    l_all = jnp.sum(w * l, axis=2)
+    o_all = jnp.sum(w[..., None] * o, axis=2)
+    out = jnp.where(l_all[..., None] > 0,
+                    o_all / jnp.where(l_all > 0, l_all, 1.0)[..., None], 0.0)
+    return out[:, :, :group].reshape(b, hkv * group, d)
+
+
+def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pages: int
+                ) -> tuple[jax.Array, jax.Array]:
+    """Programs of each list: counts ``[n]`` int32 (pages of each (row, KV head) list, those
+    where ``valid [n]`` is False ignored) -> (shares, starts) ``[n]`` int32, list i run by
+    programs ``starts[i] .. starts[i] + shares[i] - 1``. Each valid list gets one program and
+    the ``programs - n_valid`` others in proportion to its blocks of pages, never more than it
+    has blocks, so shares sum to at most ``programs``; lists of equal length get equal shares."""
+    blocks = jnp.where(valid, (counts + block_pages - 1) // block_pages, 0)
+    total = jnp.maximum(jnp.sum(blocks), 1)
+    extra = programs - jnp.sum(valid.astype(jnp.int32))
+    shares = jnp.where(valid, jnp.minimum(1 + blocks * extra // total, jnp.maximum(blocks, 1)),
+                       0)
+    return shares, jnp.cumsum(shares) - shares
+
+
+def _load_shares(counts_ref, *, programs, block_pages):
+    n = counts_ref.shape[0]
+    idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
+    counts = plgpu.load(counts_ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
+    shares, starts = list_shares(counts, idx < n, programs=programs, block_pages=block_pages)
+    return idx, counts, shares, starts
+
+
+def _pick(idx, i, values):
+    """values[i] from a vector (0 where i is past it)."""
+    return jnp.sum(jnp.where(idx == i, values, 0))
+
+
+def _balanced_attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, counts_ref, len_ref,
+                            o_ref, m_ref, l_ref, *, kv_heads, programs, **settings):
+    """Program p: split ``p - starts[i]`` of list i, the list whose programs hold p (none past
+    the shares' sum: an empty result)."""
+    p = pl.program_id(0)
+    idx, counts, shares, starts = _load_shares(counts_ref, programs=programs,
+                                               block_pages=settings["block_pages"])
+    n = counts_ref.shape[0]
+    i = jnp.sum(jnp.where((idx < n) & (starts + shares <= p), 1, 0))   # n: no list
+    row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
+    _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, _pick(idx, i, counts), len_ref[row],
+            o_ref, m_ref, l_ref, splits=jnp.maximum(_pick(idx, i, shares), 1),
+            at=(row, i % kv_heads, p - _pick(idx, i, starts)), **settings)
+
+
+def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, kv_heads, programs,
+                  block_pages, group, rpad):
+    """List i = (row, KV head): its partial results rescaled to their common max and summed
+    (an empty split has l = 0 and adds nothing), its query heads written to ``out[row]``."""
+    i = pl.program_id(0)
+    idx, _, shares, starts = _load_shares(counts_ref, programs=programs,
+                                          block_pages=block_pages)
+    start, share = _pick(idx, i, starts), _pick(idx, i, shares)
+    junk = m_ref.shape[1] - 1
+    d = o_ref.shape[2]
+    r = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
+    r_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
+    c_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 1)
+
+    def body(s, carry):
+        o, m, l = carry
+        at = start + s
+        m_s = plgpu.load(m_ref.at[at, jnp.minimum(r, junk)], mask=r < group,
+                         other=_MASK_VALUE)
+        l_s = plgpu.load(l_ref.at[at, jnp.minimum(r, junk)], mask=r < group, other=0.0)
+        o_s = plgpu.load(o_ref.at[at, jnp.minimum(r_d, junk), c_d], mask=r_d < group,
+                         other=0.0)
+        m_new = jnp.maximum(m, m_s)
+        a, b = jnp.exp(m - m_new), jnp.exp(m_s - m_new)
+        return a[:, None] * o + b[:, None] * o_s, m_new, a * l + b * l_s
+
+    init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((rpad,), jnp.float32))
+    o, _, l = lax.fori_loop(0, share, body, init)
+    out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
+    # One store a query head: a masked store of the padded tile would aim its masked rows at
+    # other heads' places, which interpret mode writes back (with their old values).
+    for g in range(group):
+        head = jnp.sum(jnp.where(r_d == g, out, 0.0), axis=0)
+        out_ref[i // kv_heads, (i % kv_heads) * group + g, :] = head.astype(out_ref.dtype)
+
+
+def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size,
+                               tuning, programs=None, interpret=False):
+    """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
+    programs (default one wave, :data:`ATTEND_PROGRAMS_PER_SM`
+    a streaming multiprocessor; at least one a list)."""
+    b, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    group = hq // hkv
+    rpad = max(16, pow2(group))
+    rows = group + (group < rpad)
+    n = b * hkv
+    programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), n)
+    counts = count.reshape(n)
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
+    per_program = lambda *blk: pl.BlockSpec((None, *blk), lambda p: (p,) + (0,) * len(blk))
+    settings = dict(kv_heads=hkv, programs=programs, block_pages=tuning.block_pages)
+    o, mx, l = pl.pallas_call(
+        functools.partial(_balanced_attend_kernel, page_size=page_size, group=group,
+                          rpad=rpad, scale=d ** -0.5, **settings),
+        grid=(programs,),
+        in_specs=[whole(q), whole(k_pages), whole(v_pages), whole(phys), whole(slots),
+                  whole(counts), whole(lengths)],
+        out_specs=[per_program(rows, d), per_program(rows), per_program(rows)],
+        out_shape=[jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
+                   jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+                   jax.ShapeDtypeStruct((programs, rows), jnp.float32)],
+        compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
+                                             num_stages=tuning.attend_stages),
+        interpret=interpret, name="sparse_decode_attend_balanced",
+    )(q, k_pages, v_pages, phys, slots, counts, lengths)
+    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
+    return pl.pallas_call(
+        functools.partial(_merge_kernel, group=group, rpad=rpad, **settings),
+        grid=(n,),
+        in_specs=[whole(counts), whole(o), whole(mx), whole(l)],
+        out_specs=whole(out), out_shape=out,
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=interpret, name="sparse_decode_merge",
+    )(counts, o, mx, l)
