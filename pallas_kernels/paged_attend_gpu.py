@@ -262,6 +262,8 @@ def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pag
 
 
 def _load_shares(counts_ref, *, programs, block_pages):
+    """Every list's count ``[B * Hkv]`` read (padded to a power of two) and its share of the
+    programs (:func:`list_shares`), the same in every program of both kernels."""
     n = counts_ref.shape[0]
     idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
     counts = plgpu.load(counts_ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
@@ -329,8 +331,8 @@ def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, kv_heads, program
 def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size,
                                tuning, programs=None, interpret=False):
     """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
-    programs (default one wave, :data:`ATTEND_PROGRAMS_PER_SM`
-    a streaming multiprocessor; at least one a list)."""
+    programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
+    least one a list), then a merge kernel of one program a list."""
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv
