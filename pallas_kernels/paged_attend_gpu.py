@@ -10,8 +10,9 @@ that small batches still fill the GPU, and the splits' partial results are merge
   same S splits, one wave of programs for the batch (:func:`default_splits`; dense decode at
   least one split per :data:`TABLE_SPLIT_PAGES` pages, :func:`table_splits`), merged in XLA
   (:func:`merge_splits`).
-- :func:`attend_page_lists_balanced` (``GpuDecodeTuning(balanced=True)``; experimental, not yet
-  measured on a GPU): one wave of programs shared out among the lists by their pages, so that
+- :func:`attend_page_lists_balanced` and :func:`attend_table_balanced`
+  (``GpuDecodeTuning(balanced=True)``; experimental, not yet measured on a GPU): one wave of
+  programs shared out among the lists by their pages, so that
   a long row beside finished or short ones (a static batch's tail, a continuous-refill chunk)
   is not left to the batch's even split: at 32K with 18 of 19 rows finished, the even split
   gave the long row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6
@@ -79,14 +80,15 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
     computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores).
     ``at``: None, the grid's (row, KV head, split) blocks; or traced ``(row, kv_head, split)``
-    indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]``;
-    ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
+    indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]`` or
+    a page table ``[B, W]``; ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
     if at is None:
         row, pages_at, list_at = (), (), ()
         kv, s = pl.program_id(1), pl.program_id(2)
     else:
         r, kv, s = at
-        row, pages_at, list_at = (r,), (kv,), (r, kv)
+        row, pages_at = (r,), (kv,)
+        list_at = (r, kv) if len(phys_ref.shape) == 3 else (r,)     # a list, or a table
     d = o_ref.shape[1]
     block_k = block_pages * page_size
     width = phys_ref.shape[-1]
@@ -194,7 +196,11 @@ def attend_table(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
     lengths ``[B]`` int32 -> ``[B, Hq, D]`` in q's dtype; ``tuning`` resolved for
     ``max_pages=W``. A row's splits share its own pages, so a short row in a wide table costs
     its length, and rows read no head padding (JAX's GPU paged attention gives every row
-    ``W / k_splits``-page programs and writes 16 rows a group)."""
+    ``W / k_splits``-page programs and writes 16 rows a group). ``tuning.balanced``:
+    :func:`attend_table_balanced`."""
+    if tuning.balanced:
+        return attend_table_balanced(q, k_pages, v_pages, page_table, lengths,
+                                     page_size=page_size, tuning=tuning, interpret=interpret)
     return _attend_call(_table_attend_kernel, q, k_pages, v_pages,
                         [pl.BlockSpec((None, page_table.shape[1]), lambda bi, hi, si: (bi, 0))],
                         [page_table], lengths, page_size=page_size, tuning=tuning,
@@ -261,14 +267,23 @@ def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pag
     return shares, jnp.cumsum(shares) - shares
 
 
-def _load_shares(counts_ref, *, programs, block_pages):
-    """Every list's count ``[B * Hkv]`` read (padded to a power of two) and its share of the
-    programs (:func:`list_shares`), the same in every program of both kernels."""
+def _list_counts(counts_ref, *, kv_heads, page_size):
+    """(index ``[Npad]``, n, counts ``[Npad]``): every list's count read from ``counts_ref
+    [B * Hkv]``, padded to a power of two with zeros."""
     n = counts_ref.shape[0]
     idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
-    counts = plgpu.load(counts_ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
-    shares, starts = list_shares(counts, idx < n, programs=programs, block_pages=block_pages)
-    return idx, counts, shares, starts
+    return idx, n, plgpu.load(counts_ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
+
+
+def _table_counts(len_ref, *, kv_heads, page_size):
+    """As :func:`_list_counts` for page tables: list (row, KV head) holds the row's pages,
+    from ``lengths [B]``."""
+    b = len_ref.shape[0]
+    n = b * kv_heads
+    idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
+    lengths = plgpu.load(len_ref.at[jnp.minimum(idx // kv_heads, b - 1)], mask=idx < n,
+                         other=0)
+    return idx, n, (lengths + page_size - 1) // page_size
 
 
 def _pick(idx, i, values):
@@ -276,28 +291,34 @@ def _pick(idx, i, values):
     return jnp.sum(jnp.where(idx == i, values, 0))
 
 
-def _balanced_attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, counts_ref, len_ref,
-                            o_ref, m_ref, l_ref, *, kv_heads, programs, **settings):
+def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, counts, kv_heads, programs,
+                            **settings):
     """Program p: split ``p - starts[i]`` of list i, the list whose programs hold p (none past
-    the shares' sum: an empty result)."""
+    the shares' sum: an empty result). Lists: refs = (slots, counts, lengths, o, m, l); page
+    tables: (lengths, o, m, l)."""
+    if counts is _list_counts:
+        slot_ref, counts_ref, len_ref, *outs = refs
+    else:
+        slot_ref, (len_ref, *outs) = None, refs
+        counts_ref = len_ref
+    idx, n, count = counts(counts_ref, kv_heads=kv_heads, page_size=settings["page_size"])
+    shares, starts = list_shares(count, idx < n, programs=programs,
+                                 block_pages=settings["block_pages"])
     p = pl.program_id(0)
-    idx, counts, shares, starts = _load_shares(counts_ref, programs=programs,
-                                               block_pages=settings["block_pages"])
-    n = counts_ref.shape[0]
     i = jnp.sum(jnp.where((idx < n) & (starts + shares <= p), 1, 0))   # n: no list
     row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
-    _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, _pick(idx, i, counts), len_ref[row],
-            o_ref, m_ref, l_ref, splits=jnp.maximum(_pick(idx, i, shares), 1),
+    _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row], *outs,
+            splits=jnp.maximum(_pick(idx, i, shares), 1),
             at=(row, i % kv_heads, p - _pick(idx, i, starts)), **settings)
 
 
-def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, kv_heads, programs,
-                  block_pages, group, rpad):
+def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, counts, kv_heads, programs,
+                  page_size, block_pages, group, rpad):
     """List i = (row, KV head): its partial results rescaled to their common max and summed
     (an empty split has l = 0 and adds nothing), its query heads written to ``out[row]``."""
     i = pl.program_id(0)
-    idx, _, shares, starts = _load_shares(counts_ref, programs=programs,
-                                          block_pages=block_pages)
+    idx, n, count = counts(counts_ref, kv_heads=kv_heads, page_size=page_size)
+    shares, starts = list_shares(count, idx < n, programs=programs, block_pages=block_pages)
     start, share = _pick(idx, i, starts), _pick(idx, i, shares)
     junk = m_ref.shape[1] - 1
     d = o_ref.shape[2]
@@ -333,37 +354,57 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
     """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
     programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
     least one a list), then a merge kernel of one program a list."""
+    counts = count.reshape(-1)
+    return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], counts, lengths,
+                          counts=_list_counts, page_size=page_size, tuning=tuning,
+                          programs=programs, interpret=interpret,
+                          name="sparse_decode_attend_balanced")
+
+
+def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
+                          programs=None, interpret=False):
+    """As :func:`attend_table`, the programs shared out as :func:`attend_page_lists_balanced`
+    shares them (a row's pages its list for each KV head)."""
+    return _balanced_call(q, k_pages, v_pages, [page_table], lengths, lengths,
+                          counts=_table_counts, page_size=page_size, tuning=tuning,
+                          programs=programs, interpret=interpret,
+                          name="dense_decode_attend_balanced")
+
+
+def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, counts, page_size,
+                   tuning, programs, interpret, name):
+    """The balanced attention launch (grid ``(programs,)``) and the merge (grid ``(B * Hkv,)``);
+    ``lists``: the page lists, their slots and counts, or the page table; ``counts_src``: what
+    ``counts`` reads each list's pages from (the counts, or the lengths)."""
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv
     rpad = max(16, pow2(group))
     rows = group + (group < rpad)
-    n = b * hkv
-    programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), n)
-    counts = count.reshape(n)
+    programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), b * hkv)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     per_program = lambda *blk: pl.BlockSpec((None, *blk), lambda p: (p,) + (0,) * len(blk))
-    settings = dict(kv_heads=hkv, programs=programs, block_pages=tuning.block_pages)
+    settings = dict(counts=counts, kv_heads=hkv, programs=programs, page_size=page_size,
+                    block_pages=tuning.block_pages)
     o, mx, l = pl.pallas_call(
-        functools.partial(_balanced_attend_kernel, page_size=page_size, group=group,
-                          rpad=rpad, scale=d ** -0.5, **settings),
+        functools.partial(_balanced_attend_kernel, group=group, rpad=rpad, scale=d ** -0.5,
+                          **settings),
         grid=(programs,),
-        in_specs=[whole(q), whole(k_pages), whole(v_pages), whole(phys), whole(slots),
-                  whole(counts), whole(lengths)],
+        in_specs=[whole(x) for x in (q, k_pages, v_pages, *lists, lengths)],
         out_specs=[per_program(rows, d), per_program(rows), per_program(rows)],
         out_shape=[jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
                    jax.ShapeDtypeStruct((programs, rows), jnp.float32),
                    jax.ShapeDtypeStruct((programs, rows), jnp.float32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
                                              num_stages=tuning.attend_stages),
-        interpret=interpret, name="sparse_decode_attend_balanced",
-    )(q, k_pages, v_pages, phys, slots, counts, lengths)
+        interpret=interpret, name=name,
+    )(q, k_pages, v_pages, *lists, lengths)
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return pl.pallas_call(
         functools.partial(_merge_kernel, group=group, rpad=rpad, **settings),
-        grid=(n,),
-        in_specs=[whole(counts), whole(o), whole(mx), whole(l)],
+        grid=(b * hkv,),
+        in_specs=[whole(counts_src), whole(o), whole(mx), whole(l)],
         out_specs=whole(out), out_shape=out,
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name="sparse_decode_merge",
-    )(counts, o, mx, l)
+        interpret=interpret, name="decode_attend_merge",
+    )(counts_src, o, mx, l)

@@ -49,6 +49,9 @@ def main(argv=None):
                          "batch's tail); the contiguous baseline is left out")
     ap.add_argument("--splits", type=int, nargs="*", default=[],
                     help="the engine's kernel also with these fixed split counts")
+    ap.add_argument("--balanced", action="store_true",
+                    help="the engine's kernel also with its programs shared out by the rows' "
+                         "pages (GpuDecodeTuning(balanced=True); experimental)")
     ap.add_argument("--out", default=None, help="JSON lines file")
     args = ap.parse_args(argv)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, "
@@ -80,6 +83,9 @@ def main(argv=None):
             for splits in args.splits:
                 cases[f"pallas_s{splits}"] = (functools.partial(
                     paged_attention_pallas, tuning=GpuDecodeTuning(splits=splits)), paged_args)
+            if args.balanced:
+                cases["pallas_balanced"] = (functools.partial(
+                    paged_attention_pallas, tuning=GpuDecodeTuning(balanced=True)), paged_args)
             if m * p == ctx and live == b:
                 # The same tokens, contiguous per row: [B, H, S, D].
                 k_cont = jnp.swapaxes(jnp.take(k_pages, table, axis=1), 0, 1).reshape(

@@ -267,5 +267,19 @@ def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeyp
                           monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [
         "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend_balanced",
-        "sparse_decode_merge"]
+        "decode_attend_merge"]
+    assert no_spills(report), report
+
+
+@needs_triton
+def test_balanced_dense_attention_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+    """The same for dense decode over whole page tables (``paged_attention_pallas``) in the
+    8K refill's chunks (64 slots: 512 lists, a 516-page table)."""
+    def step(q, k, v, table, lengths):
+        return paged_attention_pallas(q, k, v, table, lengths,
+                                      tuning=GpuDecodeTuning(balanced=True))
+
+    report = ptxas_report(step, *dense_shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
+    assert [k.split("_", 1)[1] for k in report] == [
+        "dense_decode_attend_balanced", "decode_attend_merge"]
     assert no_spills(report), report

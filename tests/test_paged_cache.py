@@ -289,18 +289,20 @@ def test_paged_attention_pallas_jax_interpreted_matches_numpy():
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
 
 
-@pytest.mark.parametrize("splits", [1, 2, 3])
+@pytest.mark.parametrize("splits", [1, 2, 3, "balanced"])
 @pytest.mark.parametrize("q_heads", [6, 2, 10])
 def test_paged_attention_pallas_interpreted_matches_numpy(splits, q_heads):
     """The sparse step's attention kernel over whole page tables: a table width (7 pages) no
     multiple of the block (4 pages), rows of 1 token, a partial last page and the full table,
     GQA groups of 3, 1 and 5 heads, splits sharing a row's pages unevenly (3 splits of 2
-    blocks) or finding none."""
+    blocks) or finding none; and the programs shared out by the rows' pages
+    (``balanced``)."""
     q, k, v, table, lengths = _attention_case()
     q = np.random.default_rng(q_heads).normal(size=(3, q_heads, q.shape[-1])).astype(np.float32)
     lengths = np.array([1, 28, 13], np.int32)
     want = _np_paged_attention(q, k, v, table, lengths)
-    tuning = GpuDecodeTuning(block_pages=4, splits=splits)
+    tuning = (GpuDecodeTuning(block_pages=4, balanced=True) if splits == "balanced" else
+              GpuDecodeTuning(block_pages=4, splits=splits))
     got = paged_attention_pallas(*(jnp.asarray(x) for x in (q, k, v, table, lengths)),
                                  tuning=tuning, interpret=True)
     np.testing.assert_allclose(np.asarray(got), want, rtol=2e-5, atol=2e-6)
