@@ -12,9 +12,9 @@ that small batches still fill the GPU, and the splits' partial results are merge
   (:func:`merge_splits`).
 - :func:`attend_page_lists_balanced` and :func:`attend_table_balanced`
   (``GpuDecodeTuning(balanced=True)``; experimental, not yet measured on a GPU): one wave of
-  programs shared out among the lists by their pages, so that
-  a long row beside finished or short ones (a static batch's tail, a continuous-refill chunk)
-  is not left to the batch's even split: at 32K with 18 of 19 rows finished, the even split
+  programs shared out among the lists by their pages, so that a long row beside finished or
+  short ones (a static batch's tail, a continuous-refill chunk) is not left to the batch's
+  even split: at 32K with 18 of 19 rows finished, the even split
   gave the long row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6
   (H100), and a grid with more splits a row made every step pay for its idle programs and a
   padded merge (+0.18 ms a step at 19 rows). Program ``p`` finds its list and split from the
