@@ -81,7 +81,8 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     computed as ``Rpad`` rows; a G-th junk row takes the padding rows' masked stores).
     ``at``: None, the grid's (row, KV head, split) blocks; or traced ``(row, kv_head, split)``
     indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]`` or
-    a page table ``[B, W]``; ``splits`` traced too): a Triton load takes one index expression, not a view of a view."""
+    a page table ``[B, W]``; ``splits`` traced too): a Triton load takes one index
+    expression, not a view of a view."""
     if at is None:
         row, pages_at, list_at = (), (), ()
         kv, s = pl.program_id(1), pl.program_id(2)
@@ -267,21 +268,15 @@ def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pag
     return shares, jnp.cumsum(shares) - shares
 
 
-def _list_counts(counts_ref, *, kv_heads, page_size):
-    """(index ``[Npad]``, n, counts ``[Npad]``): every list's count read from ``counts_ref
-    [B * Hkv]``, padded to a power of two with zeros."""
-    n = counts_ref.shape[0]
+def _list_counts(ref, *, table, kv_heads, page_size):
+    """(index ``[Npad]``, n, counts ``[Npad]``): the pages of every (row, KV head) list, padded
+    to a power of two with zeros; read from the lists' counts ``[B * Hkv]``, or for page
+    tables (``table``) from the rows' lengths ``[B]``."""
+    n = ref.shape[0] * (kv_heads if table else 1)
     idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
-    return idx, n, plgpu.load(counts_ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
-
-
-def _table_counts(len_ref, *, kv_heads, page_size):
-    """As :func:`_list_counts` for page tables: list (row, KV head) holds the row's pages,
-    from ``lengths [B]``."""
-    b = len_ref.shape[0]
-    n = b * kv_heads
-    idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
-    lengths = plgpu.load(len_ref.at[jnp.minimum(idx // kv_heads, b - 1)], mask=idx < n,
+    if not table:
+        return idx, n, plgpu.load(ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
+    lengths = plgpu.load(ref.at[jnp.minimum(idx // kv_heads, ref.shape[0] - 1)], mask=idx < n,
                          other=0)
     return idx, n, (lengths + page_size - 1) // page_size
 
@@ -291,17 +286,18 @@ def _pick(idx, i, values):
     return jnp.sum(jnp.where(idx == i, values, 0))
 
 
-def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, counts, kv_heads, programs,
+def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_heads, programs,
                             **settings):
     """Program p: split ``p - starts[i]`` of list i, the list whose programs hold p (none past
     the shares' sum: an empty result). Lists: refs = (slots, counts, lengths, o, m, l); page
     tables: (lengths, o, m, l)."""
-    if counts is _list_counts:
-        slot_ref, counts_ref, len_ref, *outs = refs
-    else:
+    if table:
         slot_ref, (len_ref, *outs) = None, refs
         counts_ref = len_ref
-    idx, n, count = counts(counts_ref, kv_heads=kv_heads, page_size=settings["page_size"])
+    else:
+        slot_ref, counts_ref, len_ref, *outs = refs
+    idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
+                                 page_size=settings["page_size"])
     shares, starts = list_shares(count, idx < n, programs=programs,
                                  block_pages=settings["block_pages"])
     p = pl.program_id(0)
@@ -312,12 +308,13 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, counts, kv_hea
             at=(row, i % kv_heads, p - _pick(idx, i, starts)), **settings)
 
 
-def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, counts, kv_heads, programs,
+def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, table, kv_heads, programs,
                   page_size, block_pages, group, rpad):
     """List i = (row, KV head): its partial results rescaled to their common max and summed
     (an empty split has l = 0 and adds nothing), its query heads written to ``out[row]``."""
     i = pl.program_id(0)
-    idx, n, count = counts(counts_ref, kv_heads=kv_heads, page_size=page_size)
+    idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
+                                 page_size=page_size)
     shares, starts = list_shares(count, idx < n, programs=programs, block_pages=block_pages)
     start, share = _pick(idx, i, starts), _pick(idx, i, shares)
     junk = m_ref.shape[1] - 1
@@ -356,7 +353,7 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
     least one a list), then a merge kernel of one program a list."""
     counts = count.reshape(-1)
     return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], counts, lengths,
-                          counts=_list_counts, page_size=page_size, tuning=tuning,
+                          table=False, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
                           name="sparse_decode_attend_balanced")
 
@@ -366,16 +363,17 @@ def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size
     """As :func:`attend_table`, the programs shared out as :func:`attend_page_lists_balanced`
     shares them (a row's pages its list for each KV head)."""
     return _balanced_call(q, k_pages, v_pages, [page_table], lengths, lengths,
-                          counts=_table_counts, page_size=page_size, tuning=tuning,
+                          table=True, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
                           name="dense_decode_attend_balanced")
 
 
-def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, counts, page_size,
+def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, table, page_size,
                    tuning, programs, interpret, name):
     """The balanced attention launch (grid ``(programs,)``) and the merge (grid ``(B * Hkv,)``);
     ``lists``: the page lists, their slots and counts, or the page table; ``counts_src``: what
-    ``counts`` reads each list's pages from (the counts, or the lengths)."""
+    :func:`_list_counts` reads each list's pages from (the counts, or for a ``table`` the
+    lengths)."""
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv
@@ -384,7 +382,7 @@ def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, counts, p
     programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), b * hkv)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
     per_program = lambda *blk: pl.BlockSpec((None, *blk), lambda p: (p,) + (0,) * len(blk))
-    settings = dict(counts=counts, kv_heads=hkv, programs=programs, page_size=page_size,
+    settings = dict(table=table, kv_heads=hkv, programs=programs, page_size=page_size,
                     block_pages=tuning.block_pages)
     o, mx, l = pl.pallas_call(
         functools.partial(_balanced_attend_kernel, group=group, rpad=rpad, scale=d ** -0.5,

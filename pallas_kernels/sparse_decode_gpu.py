@@ -25,8 +25,8 @@ Shapes inside the kernels are powers of two (Triton's rule): the page table is p
 ``Mpad`` slots, the page list to ``Kpad`` entries, and a group's query heads are read from the
 unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so any group size,
 e.g. 5, works) by a masked load inside the kernels: padding in XLA cost a kernel launch a
-layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change speed, never the result,
-are one static :class:`GpuDecodeTuning`. Variants measured on the H100
+layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change
+speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured on the H100
 and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
 rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
 61279f7, where they can be found.
@@ -55,22 +55,22 @@ _INT_MAX = 2 ** 31 - 1
 # typed constant in jnp.where the predicate's type.
 
 
-def _ispow2(x: int) -> bool:
+def _is_pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 
 
 def check_launch_settings(tuning) -> None:
     """The launch settings the GPU kernels share (Pallas' :class:`GpuDecodeTuning` and the
     Triton path's): block_pages (None allowed), splits, score_chunk, warps, attend_stages."""
-    if tuning.block_pages is not None and not _ispow2(tuning.block_pages):
+    if tuning.block_pages is not None and not _is_pow2(tuning.block_pages):
         raise ValueError(f"block_pages must be a power of two, got {tuning.block_pages}")
     if tuning.splits is not None and tuning.splits < 1:
         raise ValueError(f"splits must be >= 1, got {tuning.splits}")
-    if not _ispow2(tuning.score_chunk) or tuning.score_chunk < 16:
+    if not _is_pow2(tuning.score_chunk) or tuning.score_chunk < 16:
         raise ValueError(f"score_chunk must be a power of two >= 16, got {tuning.score_chunk}")
     for name in ("score_warps", "select_warps", "attend_warps"):
         w = getattr(tuning, name)
-        if not _ispow2(w) or w > 32:
+        if not _is_pow2(w) or w > 32:
             raise ValueError(f"{name} must be a power of two in [1, 32], got {w}")
     if tuning.attend_stages < 1:
         raise ValueError(f"attend_stages must be >= 1, got {tuning.attend_stages}")
@@ -266,10 +266,10 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
     if scorer != "centroid":
         return f"the kernels score page centroids only (scorer='centroid'), got {scorer!r}"
     p, d = page_size, head_dim
-    if not _ispow2(p) or not _ispow2(d) or d < 16:
+    if not _is_pow2(p) or not _is_pow2(d) or d < 16:
         return (f"page_size ({p}) and head_dim ({d}) must be powers of two, head_dim >= 16 "
                 "(Triton block shapes, matrix-unit tiles)")
-    if block_pages is not None and (not _ispow2(block_pages) or block_pages * p < 16):
+    if block_pages is not None and (not _is_pow2(block_pages) or block_pages * p < 16):
         return (f"block_pages ({block_pages}) must be a power of two with block_pages x "
                 f"page_size >= 16")
     return None

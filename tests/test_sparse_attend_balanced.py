@@ -1,6 +1,6 @@
-"""The attention on a flat grid shared out by list length
-(pallas_kernels/paged_attend_gpu.py, ``attend_page_lists_balanced``): its shares worked by hand, and its output against the float64
-NumPy reference of docs/design.md, section 3 (tests/reference_np.py), the lists from the
+"""The attention on a flat grid shared out by list length (``attend_page_lists_balanced`` in
+pallas_kernels/paged_attend_gpu.py): its shares worked by hand, and its output against the
+float64 NumPy reference of docs/design.md, section 3 (tests/reference_np.py), the lists from the
 Pallas selection kernels. Interpret mode on CPU, compiled on a GPU."""
 
 from __future__ import annotations
