@@ -11,7 +11,8 @@ that small batches still fill the GPU, and the splits' partial results are merge
   least one split per :data:`TABLE_SPLIT_PAGES` pages, :func:`table_splits`), merged in XLA
   (:func:`merge_splits`).
 - :func:`attend_page_lists_balanced` and :func:`attend_table_balanced`
-  (``GpuDecodeTuning(balanced=True)``; experimental, not yet measured on a GPU): one wave of
+  (``GpuDecodeTuning(balanced=True)``, the sparse step's default; dense decode keeps even
+  splits): one wave of
   programs shared out among the lists by their pages, so that a long row beside finished or
   short ones (a static batch's tail, a continuous-refill chunk) is not left to the batch's
   even split: at 32K with 18 of 19 rows finished, the even split
@@ -308,10 +309,16 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
             at=(row, i % kv_heads, p - _pick(idx, i, starts)), **settings)
 
 
+# Partial results the merge reads at once: its loop's loads are not pipelined, so one
+# partial an iteration would pay a load's latency for each of a lone row's ~32 splits.
+MERGE_CHUNK = 8
+
+
 def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, table, kv_heads, programs,
-                  page_size, block_pages, group, rpad):
+                  page_size, block_pages, group):
     """List i = (row, KV head): its partial results rescaled to their common max and summed
-    (an empty split has l = 0 and adds nothing), its query heads written to ``out[row]``."""
+    (an empty split has l = 0 and adds nothing), :data:`MERGE_CHUNK` partials at a time, its
+    query heads written to ``out[row]``."""
     i = pl.program_id(0)
     idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
                                  page_size=page_size)
@@ -319,30 +326,33 @@ def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, table, kv_heads, 
     start, share = _pick(idx, i, starts), _pick(idx, i, shares)
     junk = m_ref.shape[1] - 1
     d = o_ref.shape[2]
-    r = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
-    r_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
-    c_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 1)
+    gpad = pow2(group)         # no matrix units here: the group's rows, not the 16 of a dot
+    c, r = (lax.broadcasted_iota(jnp.int32, (MERGE_CHUNK, gpad), ax) for ax in (0, 1))
+    c_d, r_d, d_d = (lax.broadcasted_iota(jnp.int32, (MERGE_CHUNK, gpad, d), ax)
+                     for ax in (0, 1, 2))
 
-    def body(s, carry):
+    def body(j, carry):
         o, m, l = carry
-        at = start + s
-        m_s = plgpu.load(m_ref.at[at, jnp.minimum(r, junk)], mask=r < group,
-                         other=_MASK_VALUE)
-        l_s = plgpu.load(l_ref.at[at, jnp.minimum(r, junk)], mask=r < group, other=0.0)
-        o_s = plgpu.load(o_ref.at[at, jnp.minimum(r_d, junk), c_d], mask=r_d < group,
-                         other=0.0)
-        m_new = jnp.maximum(m, m_s)
-        a, b = jnp.exp(m - m_new), jnp.exp(m_s - m_new)
-        return a[:, None] * o + b[:, None] * o_s, m_new, a * l + b * l_s
+        at, at_d = start + j * MERGE_CHUNK + c, start + j * MERGE_CHUNK + c_d
+        ok, ok_d = (at < start + share) & (r < group), (at_d < start + share) & (r_d < group)
+        at, at_d = jnp.minimum(at, programs - 1), jnp.minimum(at_d, programs - 1)
+        m_s = plgpu.load(m_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=_MASK_VALUE)
+        l_s = plgpu.load(l_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=0.0)
+        o_s = plgpu.load(o_ref.at[at_d, jnp.minimum(r_d, junk), d_d], mask=ok_d, other=0.0)
+        m_new = jnp.maximum(m, jnp.max(m_s, axis=0))
+        a, b = jnp.exp(m - m_new), jnp.exp(m_s - m_new[None, :])
+        return (a[:, None] * o + jnp.sum(b[:, :, None] * o_s, axis=0), m_new,
+                a * l + jnp.sum(b * l_s, axis=0))
 
-    init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rpad,), jnp.float32))
-    o, _, l = lax.fori_loop(0, share, body, init)
+    init = (jnp.zeros((gpad, d), jnp.float32), jnp.full((gpad,), _MASK_VALUE, jnp.float32),
+            jnp.zeros((gpad,), jnp.float32))
+    o, _, l = lax.fori_loop(0, (share + MERGE_CHUNK - 1) // MERGE_CHUNK, body, init)
     out = jnp.where(l[:, None] > 0, o / jnp.where(l > 0, l, 1.0)[:, None], 0.0)
     # One store a query head: a masked store of the padded tile would aim its masked rows at
     # other heads' places, which interpret mode writes back (with their old values).
+    g_d = lax.broadcasted_iota(jnp.int32, (gpad, d), 0)
     for g in range(group):
-        head = jnp.sum(jnp.where(r_d == g, out, 0.0), axis=0)
+        head = jnp.sum(jnp.where(g_d == g, out, 0.0), axis=0)
         out_ref[i // kv_heads, (i % kv_heads) * group + g, :] = head.astype(out_ref.dtype)
 
 
@@ -399,7 +409,7 @@ def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, table, pa
     )(q, k_pages, v_pages, *lists, lengths)
     out = jax.ShapeDtypeStruct(q.shape, q.dtype)
     return pl.pallas_call(
-        functools.partial(_merge_kernel, group=group, rpad=rpad, **settings),
+        functools.partial(_merge_kernel, group=group, **settings),
         grid=(b * hkv,),
         in_specs=[whole(counts_src), whole(o), whole(mx), whole(l)],
         out_specs=whole(out), out_shape=out,

@@ -106,8 +106,13 @@ class GpuDecodeTuning:
       software pipelining leave 228 registers a thread and 4 programs per SM, whose loads in
       flight read faster than Triton's 2-stage pipeline at 4 warps.
     balanced: the attention on one wave of programs shared out by list length
-      (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced`; experimental, not
-      yet measured on a GPU) instead of ``splits`` for every list.
+      (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced`) instead of
+      ``splits`` for every list (True: ``splits`` unused); None: balanced in the sparse step
+      unless ``splits`` is set, even splits in dense decode. A long row among short or
+      finished ones (a static batch's tail, a refill chunk) gets the programs they leave
+      idle. H100, 32K, budget 2048: one long row beside finished ones 37 -> 28 us a layer at
+      batch 19, 55 -> 26 at 32; every row long, the step +2.3% at batch 19, +3.7% at 32
+      (BENCHMARKS.md, run O).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -116,17 +121,18 @@ class GpuDecodeTuning:
     select_warps: int = 4
     attend_warps: int = 2
     attend_stages: int = 1
-    balanced: bool = False
+    balanced: bool | None = None
 
     def __post_init__(self):
         check_launch_settings(self)
 
     def resolve(self, *, page_size: int, batch: int, kv_heads: int,
                 max_pages: int) -> GpuDecodeTuning:
-        """These settings with block_pages and splits decided for one problem."""
+        """These settings with block_pages, splits and balanced decided for one problem."""
         bp = self.block_pages or default_block_pages(page_size)
         splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
-        return dataclasses.replace(self, block_pages=bp, splits=splits)
+        balanced = self.splits is None if self.balanced is None else self.balanced
+        return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced)
 
 
 def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):

@@ -27,6 +27,7 @@ Needs only jax and numpy.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import functools
 import json
 import os
@@ -167,9 +168,11 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
                                            budgets, page_size=P, max_pages=kb, tuning=tuning,
                                            interpret=interpret)
 
+    even = dataclasses.replace(tuning, balanced=False)
+
     def attend_only(q_, k_, v_, ph_, sl_, co_, l_):
         return attend_page_lists(q_, k_, v_, ph_, sl_, co_, l_,
-                                 page_size=P, tuning=tuning, interpret=interpret)
+                                 page_size=P, tuning=even, interpret=interpret)
 
     def attend_balanced(q_, k_, v_, ph_, sl_, co_, l_):
         return attend_page_lists_balanced(q_, k_, v_, ph_, sl_, co_, l_, page_size=P,
@@ -210,9 +213,9 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
             "part_attend_runs": (None, attend_only, (q, k_pages, v_pages, run, slots_run,
                                                      count, lengths),
                                  b * HKV * kb * P * D * 2 * 2),
-            # The attention on a flat grid shared out by list length
-            # (paged_attend_gpu.attend_page_lists_balanced; experimental), checked like
-            # part_attend_mgpu below; then both with one row running.
+            # part_attend: every list in the same splits; _balanced: one wave shared out by
+            # list length (the default since run O), checked like part_attend_mgpu below;
+            # then both with one row running.
             "part_attend_balanced": (kb * P, attend_balanced, (q, k_pages, v_pages, phys,
                                                                slots, count, lengths),
                                      b * HKV * kb * P * D * 2 * 2),

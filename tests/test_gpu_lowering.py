@@ -60,8 +60,10 @@ def test_sparse_decode_lowers_for_h100(tuning, dtype, hq):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
                                     centroids=cent, max_budget_pages=8, tuning=tuning)
 
+    attend = (["sparse_decode_attend"] if tuning.splits else
+              ["sparse_decode_attend_balanced", "decode_attend_merge"])   # the default
     assert triton_kernels(step, *c.values()) == [
-        "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend"]
+        "sparse_decode_score", "sparse_decode_select", *attend]
 
 
 def dense_shapes(*, b=64, width=516, pages=16449):
@@ -199,18 +201,23 @@ def issue5_shapes(b=32, m=2049, d=128):
 
 
 @needs_triton
-def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+@pytest.mark.parametrize("balanced", [None, False])
+def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch, balanced):
     """Issue 5's shape (batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128), the
-    default settings: the three kernels compile for sm_90 without spills."""
+    default settings (the balanced attention and its merge) and even splits: the kernels
+    compile for sm_90 without spills."""
     shapes = issue5_shapes()
 
     def step(q, k, v, cent, table, lengths, budget):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
-                                    centroids=cent, max_budget_pages=128)
+                                    centroids=cent, max_budget_pages=128,
+                                    tuning=GpuDecodeTuning(balanced=balanced))
 
     report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
+    attend = (["sparse_decode_attend"] if balanced is False else
+              ["sparse_decode_attend_balanced", "decode_attend_merge"])
     assert [k.split("_", 1)[1] for k in report] == [
-        "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend"]
+        "sparse_decode_score", "sparse_decode_select", *attend]
     assert no_spills(report), report
 
 

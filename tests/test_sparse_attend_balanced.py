@@ -70,13 +70,15 @@ def test_matches_float64_reference(r, d, programs):
     assert_kernel_close(got, want, low_precision=True)
 
 
-def test_a_long_row_beside_finished_ones():
+@pytest.mark.parametrize("programs", [24, 40])
+def test_a_long_row_beside_finished_ones(programs):
     """A static batch's tail: one row at 60 pages with a budget of 40, three finished rows
-    reading one page (as the engine runs them), 24 programs; the long row's output as the
+    reading one page (as the engine runs them); 24 programs (7 splits for each of the long
+    row's lists) and 40 (10, more than one merge chunk); the long row's output as the
     reference has it, a zero-length row zeros."""
     got, want = attend(np.random.default_rng(7), lengths=[960, 16, 16, 16],
                        run_lengths=[960, 16, 16, 0], budgets=[40, 40, 40, 40], hkv=2, r=4,
-                       d=64, programs=24)
+                       d=64, programs=programs)
     assert_kernel_close(got[:3], want[:3], low_precision=True)
     assert (got[3] == 0).all()
 

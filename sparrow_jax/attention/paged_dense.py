@@ -99,8 +99,11 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     b, width = page_table.shape
     tuning = tuning or GpuDecodeTuning()
     block = tuning.block_pages or default_block_pages(page_size)
-    tuning = dataclasses.replace(tuning, block_pages=block, splits=tuning.splits or table_splits(
-        b, k_pages.shape[0], width, block))
+    # Even splits unless asked (table_splits already gives a lone long row many): the balanced
+    # attention was not measured end to end for dense decode (BENCHMARKS.md, run O).
+    tuning = dataclasses.replace(tuning, block_pages=block, balanced=bool(tuning.balanced),
+                                 splits=tuning.splits or table_splits(b, k_pages.shape[0],
+                                                                      width, block))
     return attend_table(q, k_pages, v_pages, page_table.astype(jnp.int32),
                         lengths.astype(jnp.int32), page_size=page_size, tuning=tuning,
                         interpret=interpret)
