@@ -11,16 +11,15 @@ that small batches still fill the GPU, and the splits' partial results are merge
   least one split per :data:`TABLE_SPLIT_PAGES` pages, :func:`table_splits`), merged in XLA
   (:func:`merge_splits`).
 - :func:`attend_page_lists_balanced` and :func:`attend_table_balanced`
-  (``GpuDecodeTuning(balanced=True)``, the sparse step's default; dense decode keeps even
-  splits): one wave of
-  programs shared out among the lists by their pages, so that a long row beside finished or
-  short ones (a static batch's tail, a continuous-refill chunk) is not left to the batch's
-  even split: at 32K with 18 of 19 rows finished, the even split
-  gave the long row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6
-  (H100), and a grid with more splits a row made every step pay for its idle programs and a
-  padded merge (+0.18 ms a step at 19 rows). Program ``p`` finds its list and split from the
-  prefix sum of the lists' shares (:func:`list_shares`), writes its partial result at ``p``,
-  and a second kernel merges each list's own partials.
+  (``GpuDecodeTuning.balanced``; the sparse step's default, dense decode keeps even splits):
+  one wave of programs shared out among the lists by their pages, so that a long row beside
+  finished or short ones (a static batch's tail, a continuous-refill chunk) is not left to
+  the batch's even split: at 32K with 18 of 19 rows finished, the even split gave the long
+  row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6 (H100), and a
+  grid with more splits a row made every step pay for its idle programs and a padded merge
+  (+0.18 ms a step at 19 rows). Program ``p`` finds its list and split from the prefix sum of
+  the lists' shares (:func:`list_shares`), writes its partial result at ``p``, and a second
+  kernel merges each list's own partials.
 
 A group's query heads are read from the unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the
 matrix units' minimum) by a masked load; only the group's rows of the partial results are

@@ -98,7 +98,8 @@ class GpuDecodeTuning:
 
     block_pages: pages per attention step, a power of two with at least 16 tokens (None:
       :func:`default_block_pages`).
-    splits: parts of each page list attended in parallel (None: :func:`default_splits`).
+    splits: parts of each page list attended in parallel by even splits (None:
+      :func:`default_splits`); set, it selects even splits when ``balanced`` is None.
     score_chunk: page slots per scoring program, a power of two.
     score_warps, select_warps: Triton warps of the scoring and selection kernels.
     attend_warps, attend_stages: Triton warps and pipelining depth of the attention kernel;
