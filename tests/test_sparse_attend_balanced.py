@@ -94,3 +94,13 @@ def test_the_whole_step_with_balanced_tuning():
                                tuning=GpuDecodeTuning(balanced=True), interpret=INTERPRET)
     assert_kernel_close(as64(out), reference(q, k, v, cent, table, lengths, budgets)[0],
                         low_precision=True)
+
+
+@pytest.mark.parametrize("kw,balanced", [({}, True), (dict(splits=2), False),
+                                         (dict(balanced=False), False),
+                                         (dict(balanced=True, splits=2), True)])
+def test_which_attention_the_settings_choose(kw, balanced):
+    """The sparse step's default is the balanced attention; a fixed split count asks for even
+    splits, unless balanced is asked for too."""
+    got = GpuDecodeTuning(**kw).resolve(page_size=P, batch=4, kv_heads=2, max_pages=64)
+    assert got.balanced is balanced and got.splits >= 1
