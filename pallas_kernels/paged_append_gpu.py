@@ -20,27 +20,28 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 
-def kernel_limits(kv_heads: int, head_dim: int) -> str | None:
-    """Why the kernel cannot write a cache (None when it can): Triton blocks are powers of two."""
-    if kv_heads & (kv_heads - 1) or head_dim & (head_dim - 1):
-        return (f"kv_heads ({kv_heads}) and head_dim ({head_dim}) must be powers of two "
-                "(Triton block shapes)")
+def kernel_limits(kv_heads: int, head_dim: int, q_heads: int | None = None) -> str | None:
+    """Why the kernel cannot write a cache (None when it can): Triton blocks are powers of two
+    (``q_heads``: the fused q/k-norm and RoPE's query heads too)."""
+    sizes = dict(kv_heads=kv_heads, head_dim=head_dim)
+    if q_heads is not None:
+        sizes["q_heads"] = q_heads
+    bad = {k: x for k, x in sizes.items() if x & (x - 1)}
+    if bad:
+        return (", ".join(f"{k} ({x})" for k, x in bad.items())
+                + " must be powers of two (Triton block shapes)")
     return None
 
 
-def _append_kernel(page_ref, slot_ref, k_ref, v_ref, sum_in, kp_in, vp_in, cent_in,
-                   sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
-    """Grid (B,): page (``num_pages``: no write), slot ``[1]``; k, v ``[H, D]``; the running sum
-    ``[H, D]`` float32 of this row and layer; the layer's pages ``[H, N, P, D]`` and centroids
-    ``[H, N, D]`` (whole, aliased to the outputs)."""
-    del sum_in, kp_in, vp_in, cent_in            # the same buffers as the outputs
-    h, d = k_ref.shape
+def _write_token(page, slot, k, v, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
+    """k, v ``[H, D]`` into slot ``slot`` of page ``page`` (``num_pages``: no write); the
+    running sum ``[H, D]`` float32 of this row and layer; the layer's pages ``[H, N, P, D]`` and
+    centroids ``[H, N, D]`` (whole, aliased to the outputs)."""
+    h, d = k.shape
     n = kp_ref.shape[1]
-    page = page_ref[0]
-    slot = slot_ref[0]
     write = page < n
-    k = k_ref[...].astype(kp_ref.dtype)          # as stored: the sums are of stored keys
-    v = v_ref[...].astype(vp_ref.dtype)
+    k = k.astype(kp_ref.dtype)                   # as stored: the sums are of stored keys
+    v = v.astype(vp_ref.dtype)
     head = jax.lax.broadcasted_iota(jnp.int32, (h, d), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (h, d), 1)
     page_hd = jnp.broadcast_to(page, (h, d))
@@ -54,6 +55,52 @@ def _append_kernel(page_ref, slot_ref, k_ref, v_ref, sum_in, kp_in, vp_in, cent_
     full = jnp.broadcast_to(write & (slot == page_size - 1), (h, d))
     plgpu.store(cent_ref.at[head, page_hd, col], (new / page_size).astype(cent_ref.dtype),
                 mask=full)
+
+
+def _append_kernel(page_ref, slot_ref, k_ref, v_ref, sum_in, kp_in, vp_in, cent_in,
+                   sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
+    """Grid (B,): page, slot ``[1]``; k, v ``[H, D]``; then as :func:`_write_token`."""
+    del sum_in, kp_in, vp_in, cent_in            # the same buffers as the outputs
+    _write_token(page_ref[0], slot_ref[0], k_ref[...], v_ref[...], sum_ref, kp_ref, vp_ref,
+                 cent_ref, page_size=page_size)
+
+
+def _prep_heads(qkv_ref, first, heads, weight_ref, cos, sin, eps):
+    """Heads ``first .. first+heads-1`` of this row's projections, RMS-normed over D with
+    ``weight_ref [D]`` and rotated (RoPE, rotate-half) by ``cos, sin [1, D]``, in the roundings
+    of :class:`sparrow_jax.models.qk_prep.QKPrep`: norm in float32, then the weight, the two
+    products and their sum each in the input dtype. The rotated half is a second gathered load
+    (Triton cannot slice a block), normed with the same per-head factor."""
+    d = qkv_ref.shape[-1]
+    dtype = qkv_ref.dtype
+    head = first + jax.lax.broadcasted_iota(jnp.int32, (heads, d), 0)
+    col = jax.lax.broadcasted_iota(jnp.int32, (heads, d), 1)
+    partner = (col + d // 2) % d
+    x = plgpu.load(qkv_ref.at[head, col]).astype(jnp.float32)
+    xp = plgpu.load(qkv_ref.at[head, partner]).astype(jnp.float32)
+    scale = jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
+    normed = plgpu.load(weight_ref.at[col]).astype(dtype) * (x * scale).astype(dtype)
+    partner = plgpu.load(weight_ref.at[partner]).astype(dtype) * (xp * scale).astype(dtype)
+    rotated = jnp.where(col < d // 2, -partner, partner)
+    return normed * cos.astype(dtype) + rotated * sin.astype(dtype)
+
+
+def _prep_append_kernel(page_ref, slot_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref,
+                        sum_in, kp_in, vp_in, cent_in,
+                        q_ref, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size, eps):
+    """Grid (B,): this row's projections ``qkv [Hq + 2 Hkv, D]`` (q heads, then k, then v);
+    q/k-norm weights ``[D]``; cos, sin ``[1, D]``; q out ``[Hq, D]``; the rest as
+    :func:`_write_token`."""
+    del sum_in, kp_in, vp_in, cent_in
+    hq, hk = q_ref.shape[0], kp_ref.shape[0]
+    d = qkv_ref.shape[-1]
+    cos, sin = cos_ref[...], sin_ref[...]
+    q_ref[...] = _prep_heads(qkv_ref, 0, hq, qw_ref, cos, sin, eps)
+    k = _prep_heads(qkv_ref, hq, hk, kw_ref, cos, sin, eps)
+    head = hq + hk + jax.lax.broadcasted_iota(jnp.int32, (hk, d), 0)
+    v = plgpu.load(qkv_ref.at[head, jax.lax.broadcasted_iota(jnp.int32, (hk, d), 1)])
+    _write_token(page_ref[0], slot_ref[0], k, v, sum_ref, kp_ref, vp_ref, cent_ref,
+                 page_size=page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret"))
@@ -82,3 +129,40 @@ def append_token_pallas(page, slot, k, v, partial_sum, k_pages, v_pages, centroi
         compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
         interpret=interpret, name="paged_append",
     )(page, slot, k, v, partial_sum, k_pages, v_pages, centroids)
+
+
+@functools.partial(jax.jit, static_argnames=("layer", "page_size", "eps", "interpret"))
+def prep_append_token_pallas(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum,
+                             k_pages, v_pages, centroids, *, layer, page_size, eps,
+                             interpret=False):
+    """:func:`append_token_pallas` with q/k-norm and RoPE done in the same kernel.
+
+    qkv ``[B, Hq + 2 Hkv, D]``: each row's projected queries, keys and values, as the
+    projections give them; q_weight, k_weight ``[D]`` the norms' weights; cos, sin ``[B, D]``
+    float32 (this token's angles); the rest as :func:`append_token_pallas`. -> (q ``[B, Hq, D]``
+    normed and rotated, then the four cache arrays as there). The keys written are normed and
+    rotated."""
+    b, heads, d = qkv.shape
+    hk = k_pages.shape[0]
+    hq = heads - 2 * hk
+    num_pages = k_pages.shape[1]
+    row = pl.BlockSpec((1,), lambda i: (i,))
+    whole_row = pl.BlockSpec((None, heads, d), lambda i: (i, 0, 0))
+    weight = pl.BlockSpec((d,), lambda i: (0,))
+    angle = pl.BlockSpec((1, d), lambda i: (i, 0))
+    q_out = pl.BlockSpec((None, hq, d), lambda i: (i, 0, 0))
+    sums = pl.BlockSpec((None, None, hk, d), lambda i: (layer, i, 0, 0))
+    pages = pl.BlockSpec((hk, num_pages, page_size, d), lambda i: (0, 0, 0, 0))
+    cents = pl.BlockSpec((hk, num_pages, d), lambda i: (0, 0, 0))
+    return pl.pallas_call(
+        functools.partial(_prep_append_kernel, page_size=page_size, eps=eps),
+        grid=(b,),
+        in_specs=[row, row, whole_row, weight, weight, angle, angle, sums, pages, pages, cents],
+        out_specs=[q_out, sums, pages, pages, cents],
+        out_shape=[jax.ShapeDtypeStruct((b, hq, d), qkv.dtype)]
+        + [jax.ShapeDtypeStruct(a.shape, a.dtype)
+           for a in (partial_sum, k_pages, v_pages, centroids)],
+        input_output_aliases={7: 1, 8: 2, 9: 3, 10: 4},
+        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        interpret=interpret, name="paged_prep_append",
+    )(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum, k_pages, v_pages, centroids)

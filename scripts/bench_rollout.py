@@ -61,7 +61,7 @@ import numpy as np
 from flax import nnx
 
 from sparrow_jax.attention.allocator import pages_needed
-from sparrow_jax.attention.paged_cache import append_token
+from sparrow_jax.attention.paged_cache import prep_and_append_token
 from sparrow_jax.benchmarking import peak_bytes, read_ceiling
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
@@ -133,11 +133,12 @@ def _variant_chunk(graphdef, params, state, num_steps, *, settings, variant):
         active = st.active
         cache = st.cache.replace(lengths=pos + active.astype(jnp.int32))
 
-        def attend(layer, q, k, v, c):
-            return q, append_token(c, layer, k[:, 0], v[:, 0], pos, active)
+        def attend(layer, q, k, v, c, prep):
+            q, c = prep_and_append_token(c, layer, q[:, 0], k[:, 0], v[:, 0], pos, active, prep)
+            return q[:, None], c
 
         hidden, cache = model.forward(st.last[:, None], pos[:, None], attend=attend, state=cache,
-                                      lora=settings.lora)
+                                      lora=settings.lora, fuse_qk_prep=True)
         hidden = hidden[:, 0]
         st = st._replace(cache=cache)
         if variant == "no_attention":

@@ -19,7 +19,7 @@ import pytest
 from jax._src import mesh as mesh_lib
 from jax._src.pallas.triton import lowering as triton_lowering
 
-from pallas_kernels.paged_append_gpu import append_token_pallas
+from pallas_kernels.paged_append_gpu import append_token_pallas, prep_append_token_pallas
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, sparse_decode_pallas
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
 from ptxas import ptxas_usage
@@ -114,9 +114,30 @@ def append_step(page, slot, k, v, sums, kp, vp, cent):
     return append_token_pallas(page, slot, k, v, sums, kp, vp, cent, layer=3, page_size=16)
 
 
+def prep_append_shapes(*, hq=16, h=8, d=128, pages=38951, **kw):
+    """As :func:`append_shapes`, the projections (``hq`` query heads) in place of k and v,
+    then the norms' weights and this token's cos and sin."""
+    page, slot, k, _, *cache = append_shapes(h=h, d=d, pages=pages, **kw)
+    b = page.shape[0]
+    return [page, slot, jax.ShapeDtypeStruct((b, hq + 2 * h, d), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((d,), jnp.float32)] * 2,
+            *[jax.ShapeDtypeStruct((b, d), jnp.float32)] * 2, *cache]
+
+
+def prep_append_step(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent):
+    return prep_append_token_pallas(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent,
+                                    layer=3, page_size=16, eps=1e-6)
+
+
 def test_paged_append_lowers_for_h100():
     # Not the shapes the ptxas test compiles: a lowering cached here would hide its module.
     assert triton_kernels(append_step, *append_shapes(pages=1000)) == ["paged_append"]
+
+
+@pytest.mark.parametrize("hq", [16, 32])    # 16 + 2 x 8 heads of projections, and 48 (Qwen3-8B)
+def test_fused_prep_and_append_lowers_for_h100(hq):
+    assert triton_kernels(prep_append_step, *prep_append_shapes(hq=hq, pages=1000)) == [
+        "paged_prep_append"]
 
 
 def test_an_unlowerable_kernel_fails_here():
@@ -224,9 +245,11 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch,
 @needs_triton
 @pytest.mark.parametrize("fn,shapes,name", [
     (paged_attention_pallas, dense_shapes, "dense_decode_attend"),
-    (append_step, append_shapes, "paged_append")])
+    (append_step, append_shapes, "paged_append"),
+    (prep_append_step, prep_append_shapes, "paged_prep_append")])
 def test_one_kernel_compiles_for_hopper_without_spills(fn, shapes, name, tmp_path, monkeypatch):
-    """Dense decode attention and the cache write at the rollout's shapes."""
+    """Dense decode attention and the cache write (alone, and with q/k-norm and RoPE) at the
+    rollout's shapes."""
     report = ptxas_report(fn, *shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [name]
     assert no_spills(report), report

@@ -24,7 +24,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparrow_jax.attention.paged_cache import SCORERS, PagedKVCache, append_token, write_chunk
+from sparrow_jax.attention.paged_cache import (SCORERS, PagedKVCache, prep_and_append_token,
+                                               write_chunk)
 from sparrow_jax.attention.paged_dense import _MASK_VALUE, gather_pages, paged_attention
 
 
@@ -44,12 +45,12 @@ def _head_sharded(attend, axis: str | None):
     if axis is None:
         return attend
 
-    def sharded(layer, q, k, v, cache):
+    def sharded(layer, q, k, v, cache, **kwargs):
         shards, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
         hk, hq = k.shape[2] // shards, q.shape[2] // shards
         out, cache = attend(layer, jax.lax.dynamic_slice_in_dim(q, me * hq, hq, axis=2),
                             jax.lax.dynamic_slice_in_dim(k, me * hk, hk, axis=2),
-                            jax.lax.dynamic_slice_in_dim(v, me * hk, hk, axis=2), cache)
+                            jax.lax.dynamic_slice_in_dim(v, me * hk, hk, axis=2), cache, **kwargs)
         return jax.lax.all_gather(out, axis, axis=2, tiled=True), cache
 
     return sharded
@@ -123,20 +124,20 @@ def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.A
     return last, cache
 
 
-def _decode_attend(layer, q, k, v, cache: PagedKVCache, *, pos, active, budget_pages,
+def _decode_attend(layer, q, k, v, cache: PagedKVCache, *, prep, pos, active, budget_pages,
                    dense_layers, scorer, impl, max_budget_pages):
-    cache = append_token(cache, layer, k[:, 0], v[:, 0], pos, active)
+    q, cache = prep_and_append_token(cache, layer, q[:, 0], k[:, 0], v[:, 0], pos, active, prep)
     k_pages, v_pages = cache.k_pages[layer], cache.v_pages[layer]
     # A finished row's output is discarded: let it read one page, not its whole context.
     lengths = jnp.where(active, cache.lengths, jnp.minimum(cache.lengths, 1))
     if budget_pages is None or layer in dense_layers:
-        out = paged_attention(q[:, 0], k_pages, v_pages, cache.page_table, lengths)
+        out = paged_attention(q, k_pages, v_pages, cache.page_table, lengths)
     else:
         from sparrow_jax.attention.sparse import sparse_decode
 
         quest = scorer == "quest"
         out = sparse_decode(
-            q[:, 0], k_pages, v_pages, cache.page_table, lengths, budget_pages,
+            q, k_pages, v_pages, cache.page_table, lengths, budget_pages,
             page_size=cache.page_size, scorer=scorer, impl=impl,
             centroids=None if quest else cache.centroids[layer],
             summaries=(cache.kmin[layer], cache.kmax[layer]) if quest else None,
@@ -180,7 +181,7 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
                                max_budget_pages=max_budget_pages)
     attend = _head_sharded(attend, head_axis)
     hidden, cache = model.forward(tokens[:, None], pos[:, None], attend=attend, state=cache,
-                                  lora=lora)
+                                  lora=lora, fuse_qk_prep=True)
     return hidden[:, 0], cache
 
 

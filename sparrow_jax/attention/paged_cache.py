@@ -30,7 +30,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import struct
 
-from pallas_kernels.paged_append_gpu import append_token_pallas, kernel_limits
+from pallas_kernels.paged_append_gpu import (append_token_pallas, kernel_limits,
+                                             prep_append_token_pallas)
 from sparrow_jax.attention.allocator import NULL_PAGE
 from sparrow_jax.config import ModelConfig
 
@@ -129,11 +130,8 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
     :mod:`pallas_kernels.paged_append_gpu`; the centroid scorer's cache, power-of-two heads and
     head_dim; interpreted off GPU) or ``"auto"`` (the kernel on a GPU where it applies)."""
     p, n = cache.page_size, cache.num_pages
-    logical = pos // p
-    write = write & (logical < cache.max_pages_per_seq)   # past the table: nowhere to write
-    page = jnp.take_along_axis(cache.page_table, logical[:, None], axis=1, mode="clip")[:, 0]
-    page = jnp.where(write, page, n)                 # dropped below
-    slot = pos % p
+    page, slot = _page_slot(cache, pos, write)       # page n: dropped below
+    write = page < n
     if _append_impl(impl, cache) == "pallas":
         sums, kp, vp, cent = append_token_pallas(
             page, slot, k, v, cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
@@ -177,12 +175,44 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
             jnp.swapaxes(new_max, 0, 1), mode="drop")))
 
 
-def _append_impl(impl: str, cache: PagedKVCache) -> str:
+def prep_and_append_token(cache: PagedKVCache, layer: int, q: jax.Array, k: jax.Array,
+                          v: jax.Array, pos: jax.Array, write: jax.Array, prep, *,
+                          impl: str = "auto") -> tuple[jax.Array, PagedKVCache]:
+    """q ``[B, Hq, D]``, k, v ``[B, H, D]`` as projected; ``prep`` the layer's
+    :class:`~sparrow_jax.models.qk_prep.QKPrep` (cos, sin ``[B, 1, D]``) -> (q normed and
+    rotated, the cache after :func:`append_token` of k normed and rotated, and v).
+
+    With the kernel (``impl`` as :func:`append_token`; it also needs power-of-two query heads)
+    the norms, RoPE and the write are one launch a layer instead of six."""
+    if _append_impl(impl, cache, q_heads=q.shape[1]) == "pallas":
+        qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+        q, sums, kp, vp, cent = prep_append_token_pallas(
+            *_page_slot(cache, pos, write), qkv, prep.q_weight, prep.k_weight, prep.cos[:, 0],
+            prep.sin[:, 0], cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
+            cache.centroids[layer], layer=layer, page_size=cache.page_size, eps=prep.eps,
+            interpret=jax.default_backend() != "gpu")
+        return q, cache.replace(k_pages=_set(cache.k_pages, layer, kp),
+                                v_pages=_set(cache.v_pages, layer, vp),
+                                centroids=_set(cache.centroids, layer, cent), partial_sum=sums)
+    q, k = prep(q[:, None], k[:, None])
+    return q[:, 0], append_token(cache, layer, k[:, 0], v, pos, write, impl="xla")
+
+
+def _page_slot(cache: PagedKVCache, pos: jax.Array, write: jax.Array):
+    """The physical page (``num_pages`` where nothing is written) and slot of each row's token."""
+    p, n = cache.page_size, cache.num_pages
+    logical = pos // p
+    write = write & (logical < cache.max_pages_per_seq)   # past the table: nowhere to write
+    page = jnp.take_along_axis(cache.page_table, logical[:, None], axis=1, mode="clip")[:, 0]
+    return jnp.where(write, page, n), pos % p
+
+
+def _append_impl(impl: str, cache: PagedKVCache, q_heads: int | None = None) -> str:
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"append_token: unknown impl {impl!r}; expected auto, xla or pallas")
     h, _, _, d = cache.k_pages[0].shape
     why = ("the kernel writes the centroid scorer's cache only" if cache.kmin is not None
-           else kernel_limits(h, d))
+           else kernel_limits(h, d, q_heads))
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" and why is None else "xla"
     if impl == "pallas" and why is not None:
@@ -283,5 +313,5 @@ def fork(cache: PagedKVCache, page_table, prompt_index, copy_src, copy_dst) -> P
         partial_min=rows(cache.partial_min), partial_max=rows(cache.partial_max))
 
 
-__all__ = ["PagedKVCache", "init_cache", "append_token", "write_chunk", "fork", "NULL_PAGE",
-           "SCORERS"]
+__all__ = ["PagedKVCache", "init_cache", "append_token", "prep_and_append_token", "write_chunk",
+           "fork", "NULL_PAGE", "SCORERS"]

@@ -24,7 +24,8 @@ from sparrow_jax.attention.dense import causal_attend
 from sparrow_jax.attention.selection import SAVED_NAME
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.lora import Linear
-from sparrow_jax.models.rope import apply_rope, rope_angles
+from sparrow_jax.models.qk_prep import QKPrep, rms_norm
+from sparrow_jax.models.rope import rope_angles
 from sparrow_jax.sharding import constrain
 
 # Remat keeps only the page selections attention functions mark (none in dense runs).
@@ -32,7 +33,8 @@ REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SAVED_NAME)
 
 # attend(layer, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state).
 # q and k arrive after q/k-norm and RoPE; ``state`` is whatever the caller threads through the
-# layers (a paged cache, selection statistics), or None.
+# layers (a paged cache, selection statistics), or None. Under ``forward(..., fuse_qk_prep=True)``
+# they arrive as projected, and attend takes a keyword ``prep``: the QKPrep to apply to them.
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
 
@@ -42,11 +44,7 @@ class RMSNorm(nnx.Module):
         self.eps = eps
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        # As HF: normalise in float32, cast back to the input dtype, then scale.
-        dtype = x.dtype
-        x32 = x.astype(jnp.float32)
-        x32 = x32 * jax.lax.rsqrt(jnp.mean(x32 * x32, axis=-1, keepdims=True) + self.eps)
-        return self.weight[...].astype(dtype) * x32.astype(dtype)
+        return rms_norm(x, self.weight[...], self.eps)
 
 
 class Attention(nnx.Module):
@@ -62,7 +60,8 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, hd)
 
-    def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool):
+    def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
+                 fuse_qk_prep: bool = False):
         b, t, _ = x.shape
         q = constrain(self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim),
                       "BTHK")
@@ -70,9 +69,12 @@ class Attention(nnx.Module):
                       "BTHK")
         v = constrain(self.v_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim),
                       "BTHK")
-        q = apply_rope(self.q_norm(q), cos, sin)
-        k = apply_rope(self.k_norm(k), cos, sin)
-        out, state = attend(layer, q, k, v, state)
+        prep = QKPrep(self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
+                      eps=self.q_norm.eps)
+        if fuse_qk_prep:
+            out, state = attend(layer, q, k, v, state, prep=prep)
+        else:
+            out, state = attend(layer, *prep(q, k), v, state)
         out = out.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim)
         return self.o_proj(out, lora=lora), state
 
@@ -97,8 +99,9 @@ class Block(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, layer, attend, state, lora):
-        h, state = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, state, lora)
+    def __call__(self, x, cos, sin, layer, attend, state, lora, fuse_qk_prep=False):
+        h, state = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, state, lora,
+                                  fuse_qk_prep)
         x = x + h
         x = x + self.mlp(self.post_attention_layernorm(x), lora)
         return x, state
@@ -135,9 +138,12 @@ class Qwen3(nnx.Module):
 
     def forward(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                 attend: AttendFn = causal_attend, state: Any = None, lora: bool = False,
-                embeddings: jax.Array | None = None) -> tuple[jax.Array, Any]:
+                embeddings: jax.Array | None = None,
+                fuse_qk_prep: bool = False) -> tuple[jax.Array, Any]:
         """tokens ``[B, T]`` int, positions ``[B, T]`` (default ``arange(T)``) ->
-        (final-normed hidden ``[B, T, hidden]`` in the compute dtype, attention state)."""
+        (final-normed hidden ``[B, T, hidden]`` in the compute dtype, attention state).
+
+        ``fuse_qk_prep``: ``attend`` applies q/k-norm and RoPE itself (see :data:`AttendFn`)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         if positions is None:
@@ -147,11 +153,11 @@ class Qwen3(nnx.Module):
         cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
         for i, block in enumerate(self.layers):
             if self.remat:
-                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7),
+                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7, 8),
                                      policy=REMAT_POLICY)(
-                    block, x, cos, sin, i, attend, state, lora)
+                    block, x, cos, sin, i, attend, state, lora, fuse_qk_prep)
             else:
-                x, state = block(x, cos, sin, i, attend, state, lora)
+                x, state = block(x, cos, sin, i, attend, state, lora, fuse_qk_prep)
             x = constrain(x, "BTD")
         return self.norm(x), state
 
