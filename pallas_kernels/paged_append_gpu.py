@@ -33,10 +33,15 @@ def kernel_limits(kv_heads: int, head_dim: int, q_heads: int | None = None) -> s
     return None
 
 
-def _write_token(page, slot, k, v, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
-    """k, v ``[H, D]`` into slot ``slot`` of page ``page`` (``num_pages``: no write); the
-    running sum ``[H, D]`` float32 of this row and layer; the layer's pages ``[H, N, P, D]`` and
-    centroids ``[H, N, D]`` (whole, aliased to the outputs)."""
+# A program's warps for the fused q/k-norm, RoPE and write (measured: BENCHMARKS.md, "Rollout").
+PREP_WARPS = 4
+
+
+def _write_token(page, slot, k, v, old_sum, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
+    """k, v ``[H, D]`` into slot ``slot`` of page ``page`` (``num_pages``: no write), and the
+    running sum ``old_sum`` ``[H, D]`` float32 of this row and layer updated into ``sum_ref``;
+    the layer's pages ``[H, N, P, D]`` and centroids ``[H, N, D]`` (whole, aliased to the
+    outputs)."""
     h, d = k.shape
     n = kp_ref.shape[1]
     write = page < n
@@ -49,9 +54,8 @@ def _write_token(page, slot, k, v, sum_ref, kp_ref, vp_ref, cent_ref, *, page_si
     mask = jnp.broadcast_to(write, (h, d))
     plgpu.store(kp_ref.at[head, page_hd, slot_hd, col], k, mask=mask)
     plgpu.store(vp_ref.at[head, page_hd, slot_hd, col], v, mask=mask)
-    old = sum_ref[...]
-    new = jnp.where(slot == 0, jnp.float32(0), old) + k.astype(jnp.float32)
-    sum_ref[...] = jnp.where(write, new, old)
+    new = jnp.where(slot == 0, jnp.float32(0), old_sum) + k.astype(jnp.float32)
+    sum_ref[...] = jnp.where(write, new, old_sum)
     full = jnp.broadcast_to(write & (slot == page_size - 1), (h, d))
     plgpu.store(cent_ref.at[head, page_hd, col], (new / page_size).astype(cent_ref.dtype),
                 mask=full)
@@ -61,26 +65,33 @@ def _append_kernel(page_ref, slot_ref, k_ref, v_ref, sum_in, kp_in, vp_in, cent_
                    sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
     """Grid (B,): page, slot ``[1]``; k, v ``[H, D]``; then as :func:`_write_token`."""
     del sum_in, kp_in, vp_in, cent_in            # the same buffers as the outputs
-    _write_token(page_ref[0], slot_ref[0], k_ref[...], v_ref[...], sum_ref, kp_ref, vp_ref,
-                 cent_ref, page_size=page_size)
+    _write_token(page_ref[0], slot_ref[0], k_ref[...], v_ref[...], sum_ref[...], sum_ref,
+                 kp_ref, vp_ref, cent_ref, page_size=page_size)
 
 
-def _prep_heads(qkv_ref, first, heads, weight_ref, cos, sin, eps):
-    """Heads ``first .. first+heads-1`` of this row's projections, RMS-normed over D with
-    ``weight_ref [D]`` and rotated (RoPE, rotate-half) by ``cos, sin [1, D]``, in the roundings
-    of :class:`sparrow_jax.models.qk_prep.QKPrep`: norm in float32, then the weight, the two
-    products and their sum each in the input dtype. The rotated half is a second gathered load
-    (Triton cannot slice a block), normed with the same per-head factor."""
+def _load_heads(qkv_ref, first, heads, weight_ref):
+    """Heads ``first .. first+heads-1`` of this row's projections ``[heads, D]`` and their
+    rotate-half partners (column ``c`` holds column ``(c + D/2) % D``: Triton cannot slice a
+    block, so the partners are a second gathered load), with the norm's weight in both orders."""
     d = qkv_ref.shape[-1]
-    dtype = qkv_ref.dtype
     head = first + jax.lax.broadcasted_iota(jnp.int32, (heads, d), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (heads, d), 1)
     partner = (col + d // 2) % d
-    x = plgpu.load(qkv_ref.at[head, col]).astype(jnp.float32)
-    xp = plgpu.load(qkv_ref.at[head, partner]).astype(jnp.float32)
+    return (plgpu.load(qkv_ref.at[head, col]), plgpu.load(qkv_ref.at[head, partner]),
+            plgpu.load(weight_ref.at[col]), plgpu.load(weight_ref.at[partner]))
+
+
+def _prep_heads(x, xp, w, wp, cos, sin, eps):
+    """RMS-norm over D and RoPE (rotate-half) of ``x [heads, D]`` given its partners ``xp``, in
+    the roundings of :class:`sparrow_jax.models.qk_prep.QKPrep`: the norm in float32, then the
+    weight, the two products and their sum each in ``x``'s dtype."""
+    dtype = x.dtype
+    d = x.shape[-1]
+    x, xp = x.astype(jnp.float32), xp.astype(jnp.float32)
     scale = jax.lax.rsqrt(jnp.mean(x * x, axis=1, keepdims=True) + eps)
-    normed = plgpu.load(weight_ref.at[col]).astype(dtype) * (x * scale).astype(dtype)
-    partner = plgpu.load(weight_ref.at[partner]).astype(dtype) * (xp * scale).astype(dtype)
+    normed = w.astype(dtype) * (x * scale).astype(dtype)
+    partner = wp.astype(dtype) * (xp * scale).astype(dtype)
+    col = jax.lax.broadcasted_iota(jnp.int32, x.shape, 1)
     rotated = jnp.where(col < d // 2, -partner, partner)
     return normed * cos.astype(dtype) + rotated * sin.astype(dtype)
 
@@ -90,17 +101,20 @@ def _prep_append_kernel(page_ref, slot_ref, qkv_ref, qw_ref, kw_ref, cos_ref, si
                         q_ref, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size, eps):
     """Grid (B,): this row's projections ``qkv [Hq + 2 Hkv, D]`` (q heads, then k, then v);
     q/k-norm weights ``[D]``; cos, sin ``[1, D]``; q out ``[Hq, D]``; the rest as
-    :func:`_write_token`."""
+    :func:`_write_token`. Every load is issued before any store: a load after a store to
+    memory that may alias it cannot be moved above it, and each such wait is a round trip."""
     del sum_in, kp_in, vp_in, cent_in
     hq, hk = q_ref.shape[0], kp_ref.shape[0]
     d = qkv_ref.shape[-1]
-    cos, sin = cos_ref[...], sin_ref[...]
-    q_ref[...] = _prep_heads(qkv_ref, 0, hq, qw_ref, cos, sin, eps)
-    k = _prep_heads(qkv_ref, hq, hk, kw_ref, cos, sin, eps)
-    head = hq + hk + jax.lax.broadcasted_iota(jnp.int32, (hk, d), 0)
-    v = plgpu.load(qkv_ref.at[head, jax.lax.broadcasted_iota(jnp.int32, (hk, d), 1)])
-    _write_token(page_ref[0], slot_ref[0], k, v, sum_ref, kp_ref, vp_ref, cent_ref,
-                 page_size=page_size)
+    q_in = _load_heads(qkv_ref, 0, hq, qw_ref)
+    k_in = _load_heads(qkv_ref, hq, hk, kw_ref)
+    v = plgpu.load(qkv_ref.at[hq + hk + jax.lax.broadcasted_iota(jnp.int32, (hk, d), 0),
+                              jax.lax.broadcasted_iota(jnp.int32, (hk, d), 1)])
+    cos, sin, old_sum = cos_ref[...], sin_ref[...], sum_ref[...]
+    page, slot = page_ref[0], slot_ref[0]
+    q_ref[...] = _prep_heads(*q_in, cos, sin, eps)
+    _write_token(page, slot, _prep_heads(*k_in, cos, sin, eps), v, old_sum, sum_ref, kp_ref,
+                 vp_ref, cent_ref, page_size=page_size)
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "page_size", "interpret"))
@@ -131,17 +145,18 @@ def append_token_pallas(page, slot, k, v, partial_sum, k_pages, v_pages, centroi
     )(page, slot, k, v, partial_sum, k_pages, v_pages, centroids)
 
 
-@functools.partial(jax.jit, static_argnames=("layer", "page_size", "eps", "interpret"))
+@functools.partial(jax.jit, static_argnames=("layer", "page_size", "eps", "num_warps",
+                                            "interpret"))
 def prep_append_token_pallas(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum,
                              k_pages, v_pages, centroids, *, layer, page_size, eps,
-                             interpret=False):
+                             num_warps=PREP_WARPS, interpret=False):
     """:func:`append_token_pallas` with q/k-norm and RoPE done in the same kernel.
 
     qkv ``[B, Hq + 2 Hkv, D]``: each row's projected queries, keys and values, as the
     projections give them; q_weight, k_weight ``[D]`` the norms' weights; cos, sin ``[B, D]``
     float32 (this token's angles); the rest as :func:`append_token_pallas`. -> (q ``[B, Hq, D]``
     normed and rotated, then the four cache arrays as there). The keys written are normed and
-    rotated."""
+    rotated. ``num_warps``: a program's warps (scripts/bench_prep_append.py sweeps them)."""
     b, heads, d = qkv.shape
     hk = k_pages.shape[0]
     hq = heads - 2 * hk
@@ -163,6 +178,6 @@ def prep_append_token_pallas(page, slot, qkv, q_weight, k_weight, cos, sin, part
         + [jax.ShapeDtypeStruct(a.shape, a.dtype)
            for a in (partial_sum, k_pages, v_pages, centroids)],
         input_output_aliases={7: 1, 8: 2, 9: 3, 10: 4},
-        compiler_params=plgpu.CompilerParams(num_warps=1, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret, name="paged_prep_append",
     )(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum, k_pages, v_pages, centroids)
