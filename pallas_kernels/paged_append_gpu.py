@@ -33,8 +33,9 @@ def kernel_limits(kv_heads: int, head_dim: int, q_heads: int | None = None) -> s
     return None
 
 
-# A program's warps for the fused q/k-norm, RoPE and write (measured: BENCHMARKS.md, "Rollout").
-PREP_WARPS = 4
+# A program's warps for the fused q/k-norm, RoPE and write: 2.4-2.5 us at 19 and 32 rows on the
+# H100 against 2.8 with 4 warps and 4.4-4.8 with 1 (scripts/bench_prep_append.py, BENCHMARKS.md).
+PREP_WARPS = 2
 
 
 def _write_token(page, slot, k, v, old_sum, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size):
