@@ -183,7 +183,8 @@ def prep_and_append_token(cache: PagedKVCache, layer: int, q: jax.Array, k: jax.
     rotated, the cache after :func:`append_token` of k normed and rotated, and v).
 
     With the kernel (``impl`` as :func:`append_token`; it also needs power-of-two query heads)
-    the norms, RoPE and the write are one launch a layer instead of six."""
+    the norms, RoPE and the write are one launch a layer instead of six; without it ``prep``
+    runs as XLA ops and the write as :func:`append_token` with ``impl``."""
     if _append_impl(impl, cache, q_heads=q.shape[1]) == "pallas":
         qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
         q, sums, kp, vp, cent = prep_append_token_pallas(
@@ -195,7 +196,7 @@ def prep_and_append_token(cache: PagedKVCache, layer: int, q: jax.Array, k: jax.
                                 v_pages=_set(cache.v_pages, layer, vp),
                                 centroids=_set(cache.centroids, layer, cent), partial_sum=sums)
     q, k = prep(q[:, None], k[:, None])
-    return q[:, 0], append_token(cache, layer, k[:, 0], v, pos, write, impl="xla")
+    return q[:, 0], append_token(cache, layer, k[:, 0], v, pos, write, impl=impl)
 
 
 def _page_slot(cache: PagedKVCache, pos: jax.Array, write: jax.Array):
