@@ -351,25 +351,35 @@ def test_paged_attention_rejects_bad_shapes():
         paged_attention(q, k, v, table, lengths, impl="cuda")
 
 
+def write_steps(cfg, dtype, p=4, steps=11):
+    """Caches for the XLA and the kernel writes, and the steps' (active [3], positions [3]) of
+    appends that start pages, fill them, skip inactive rows and run past the table."""
+    alloc = PageAllocator(40, p, seed=2).allocate([3, 4, 7], 1, steps - 4)
+    caches = {impl: init_cache(cfg, 40, alloc.page_table, page_size=p, dtype=dtype)
+              for impl in ("xla", "pallas")}
+
+    def each_step():
+        pos = np.array([3, 4, 7])
+        for step in range(steps):
+            active = np.array([True, step % 3 != 1, True])
+            yield jnp.asarray(active), jnp.asarray(pos, jnp.int32)
+            pos = pos + active
+        assert pos.max() > alloc.page_table.shape[1] * p      # some writes fell off the table
+
+    return caches, each_step()
+
+
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_kernel_write_equals_xla_write_bit_for_bit(dtype):
     """The one-kernel cache write (interpreted here) against the XLA scatters: every array equal
-    after appends that start pages, fill them, skip inactive rows and run past the table."""
-    p, steps = 4, 11
-    alloc = PageAllocator(40, p, seed=2).allocate([3, 4, 7], 1, steps - 4)
+    after the steps of :func:`write_steps`."""
+    caches, steps = write_steps(CFG, dtype)
     rng = np.random.default_rng(5)
-    caches = {impl: init_cache(CFG, 40, alloc.page_table, page_size=p, dtype=dtype)
-              for impl in ("xla", "pallas")}
-    pos = np.array([3, 4, 7])
-    for step in range(steps):
-        active = jnp.asarray([True, step % 3 != 1, True])
+    for active, pos in steps:
         k, v = (jnp.asarray(rng.normal(size=(3, 2, 8)) * 3, jnp.float32) for _ in range(2))
         for impl in caches:
             for layer in range(2):
-                caches[impl] = append_token(caches[impl], layer, k, v,
-                                            jnp.asarray(pos, jnp.int32), active, impl=impl)
-        pos = pos + np.asarray(active)
-    assert pos.max() > alloc.page_table.shape[1] * p          # some writes fell off the table
+                caches[impl] = append_token(caches[impl], layer, k, v, pos, active, impl=impl)
     for a, b in zip(jax.tree.leaves(caches["xla"]), jax.tree.leaves(caches["pallas"])):
         np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 

@@ -6,11 +6,11 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.attention.allocator import PageAllocator
 from sparrow_jax.attention.paged_cache import init_cache, prep_and_append_token
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qk_prep import QKPrep
 from sparrow_jax.models.rope import rope_angles
+from test_paged_cache import write_steps
 
 EPS = 1e-6
 
@@ -27,7 +27,7 @@ def _numpy_prep(x, weight, positions, theta):
     return normed * np.cos(ang) + rotated * np.sin(ang)
 
 
-def _prep(rng, b, d, positions, theta=1e4, dtype=jnp.float32):
+def _prep(rng, d, positions, theta=1e4):
     cos, sin = rope_angles(jnp.asarray(positions, jnp.int32)[:, None], d, theta)
     qw, kw = (jnp.asarray(rng.uniform(0.5, 1.5, size=d), jnp.float32) for _ in range(2))
     return QKPrep(qw, kw, cos, sin, eps=EPS)
@@ -37,7 +37,7 @@ def test_prep_matches_float64_numpy():
     rng = np.random.default_rng(0)
     b, hq, hk, d = 3, 4, 2, 16
     positions = np.array([0, 17, 30000])
-    prep = _prep(rng, b, d, positions)
+    prep = _prep(rng, d, positions)
     q, k = (rng.normal(size=(b, h, d)) * 3 for h in (hq, hk))
     got_q, got_k = prep(jnp.asarray(q, jnp.float32)[:, None], jnp.asarray(k, jnp.float32)[:, None])
     for got, x, w in ((got_q, q, prep.q_weight), (got_k, k, prep.k_weight)):
@@ -50,35 +50,27 @@ def test_prep_matches_float64_numpy():
 @pytest.mark.parametrize("q_heads", [4, 8])   # 4 + 2 + 2 heads of projections, and 12
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_kernel_matches_the_xla_path(q_heads, dtype):
-    """Steps that start pages, fill them, skip inactive rows and run past the table: the
-    kernel's q and every cache array against QKPrep + the XLA scatters."""
+    """The steps of ``write_steps``: the kernel's q and every cache array against QKPrep + the
+    XLA scatters."""
     cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
                       num_attention_heads=q_heads, num_key_value_heads=2, head_dim=8)
-    p, steps, b = 4, 11, 3
-    alloc = PageAllocator(40, p, seed=2).allocate([3, 4, 7], 1, steps - 4)
+    caches, steps = write_steps(cfg, dtype)
     rng = np.random.default_rng(5)
-    caches = {impl: init_cache(cfg, 40, alloc.page_table, page_size=p, dtype=dtype)
-              for impl in ("xla", "pallas")}
-    pos = np.array([3, 4, 7])
-    for step in range(steps):
-        active = jnp.asarray([True, step % 3 != 1, True])
-        prep = _prep(rng, b, 8, pos)
-        q = jnp.asarray(rng.normal(size=(b, q_heads, 8)) * 3, dtype)
-        k, v = (jnp.asarray(rng.normal(size=(b, 2, 8)) * 3, dtype) for _ in range(2))
+    # bfloat16: the two paths may round a product differently (one ulp at the normed values'
+    # scale of ~1).
+    tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2 ** -7,
+                                                                       atol=2 ** -7)
+    for active, pos in steps:
+        prep = _prep(rng, 8, np.asarray(pos))
+        q = jnp.asarray(rng.normal(size=(3, q_heads, 8)) * 3, dtype)
+        k, v = (jnp.asarray(rng.normal(size=(3, 2, 8)) * 3, dtype) for _ in range(2))
         outs = {}
         for impl in caches:
             for layer in range(2):
                 outs[impl], caches[impl] = prep_and_append_token(
-                    caches[impl], layer, q, k, v, jnp.asarray(pos, jnp.int32), active, prep,
-                    impl=impl)
-        # bfloat16: the two paths may round a product differently (one ulp at the normed
-        # values' scale of ~1).
-        tol = dict(rtol=1e-6, atol=1e-6) if dtype == jnp.float32 else dict(rtol=2 ** -7,
-                                                                           atol=2 ** -7)
+                    caches[impl], layer, q, k, v, pos, active, prep, impl=impl)
         np.testing.assert_allclose(np.asarray(outs["pallas"], np.float32),
                                    np.asarray(outs["xla"], np.float32), **tol)
-        pos = pos + np.asarray(active)
-    assert pos.max() > alloc.page_table.shape[1] * p          # some writes fell off the table
     for a, c in zip(jax.tree.leaves(caches["xla"]), jax.tree.leaves(caches["pallas"])):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), **tol)
 
@@ -87,7 +79,7 @@ def test_fused_kernel_needs_power_of_two_query_heads():
     cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=1,
                       num_attention_heads=6, num_key_value_heads=2, head_dim=8)
     cache = init_cache(cfg, 8, np.zeros((1, 2), np.int32), page_size=4)
-    prep = _prep(np.random.default_rng(0), 1, 8, np.array([0]))
+    prep = _prep(np.random.default_rng(0), 8, np.array([0]))
     q, k = jnp.zeros((1, 6, 8)), jnp.zeros((1, 2, 8))
     with pytest.raises(ValueError, match=r"q_heads \(6\) must be powers of two"):
         prep_and_append_token(cache, 0, q, k, k, jnp.zeros((1,), jnp.int32),
