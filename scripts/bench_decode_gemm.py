@@ -1,0 +1,160 @@
+"""Probe: the decode step's weight matmuls (a few rows times a whole weight matrix) as a Pallas
+kernel writing split-K partial sums, against XLA's own GEMM, on Qwen3-1.7B's four shapes.
+
+Question it answers: can a Pallas GEMM whose partial sums our own kernels consume (so that the
+residual add, the norms, SiLU x up and the q/k preparation take them directly instead of XLA's
+separate reduction fusions) read the weights as fast as XLA's autotuned split-K GEMM? Each
+variant runs ``--chain`` times in one loop, each call's input the previous call's output (the
+sum of the partials, sliced or tiled to the input's width), and the device time a call is read
+from a profiler trace (CUDA graphs off): GEMM plus that consumer, for both.
+
+    PYTHONPATH=. python3 scripts/bench_decode_gemm.py --out $OUT/decode_gemm.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import itertools
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from sparrow_jax.benchmarking import chained, profile_calls, write_record
+
+SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288), "down": (6144, 2048)}
+
+
+def _gemm_kernel(x_ref, w_ref, o_ref, *, rows, bn, bk, kspan):
+    """Grid (N / BN, S): x ``[M, K]`` (read as ``rows`` rows, zeros past M), w ``[K, N]`` ->
+    this program's partial sum ``[S, rows, N]`` over its K span."""
+    n_id, s_id = pl.program_id(0), pl.program_id(1)
+    m = x_ref.shape[0]
+    r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
+    c = lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
+    row = jnp.minimum(r, m - 1)
+
+    def body(i, acc):
+        k0 = s_id * kspan + i * bk
+        xt = plgpu.load(x_ref.at[row, k0 + c], mask=r < m, other=0)
+        wt = w_ref[pl.ds(k0, bk), pl.ds(n_id * bn, bn)]
+        return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
+
+    acc = lax.fori_loop(0, kspan // bk, body, jnp.zeros((rows, bn), jnp.float32))
+    o_ref[s_id, :, pl.ds(n_id * bn, bn)] = acc
+
+
+def gemm_partials(x, w, *, bn, bk, splits, warps, stages, interpret=False):
+    """x ``[M, K]`` bf16, w ``[K, N]`` bf16 -> partial sums ``[splits, R, N]`` float32, rows
+    padded to ``R`` (a power of two, 16 at least; rows past M are zero)."""
+    m, k = x.shape
+    n = w.shape[1]
+    rows = max(16, 1 << (m - 1).bit_length())
+    kspan = k // splits
+    assert n % bn == 0 and kspan % bk == 0, (n, bn, k, splits, bk)
+    return pl.pallas_call(
+        functools.partial(_gemm_kernel, rows=rows, bn=bn, bk=bk, kspan=kspan),
+        grid=(n // bn, splits),
+        out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
+        interpret=interpret, name="decode_gemm",
+    )(x, w)
+
+
+def _next_input(y, k):
+    """The chained call's input from its output ``[M, N]``: width ``k``."""
+    n = y.shape[1]
+    y = y[:, :k] if n >= k else jnp.tile(y, (1, k // n))
+    return (y * 1e-3).astype(jnp.bfloat16)
+
+
+def main(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--rows", type=int, nargs="+", default=[19, 48])
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--bn", type=int, nargs="+", default=[64, 128])
+    ap.add_argument("--bk", type=int, nargs="+", default=[128, 256])
+    ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4])
+    ap.add_argument("--stages", type=int, nargs="+", default=[3, 4])
+    ap.add_argument("--min-programs", type=int, default=128)
+    ap.add_argument("--chain", type=int, default=8)
+    ap.add_argument("--weights-mb", type=int, default=160,
+                    help="distinct weight matrices of this many MB in all, used in turn")
+    ap.add_argument("--interpret", action="store_true", help="CPU: check, do not time")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args(argv)
+    if not args.interpret:
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                                   + " --xla_gpu_enable_command_buffer=").strip()
+    rng = np.random.default_rng(0)
+    results = []
+    for name in args.shapes:
+        k, n = SHAPES[name]
+        # Distinct weights past the L2 cache (50 MB on an H100), applied in turn: each call
+        # reads its matrix from memory, as a decode step's layers do.
+        copies = max(1, -(-args.weights_mb // (k * n * 2 // 2**20)))
+        ws = tuple(jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
+                   for _ in range(1 if args.interpret else copies))
+        for m in args.rows:
+            x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
+            ref = np.asarray(x, np.float64) @ np.asarray(ws[0], np.float64)
+            xla = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
+            variants = [("xla", xla, None)]
+            for bn, bk, s, wp, st in itertools.product(args.bn, args.bk, args.splits,
+                                                        args.warps, args.stages):
+                if (n % bn or (k // s) % bk or (n // bn) * s < args.min_programs
+                        or bk * bn * 2 * st > 160 * 1024):
+                    continue
+                cfg = dict(bn=bn, bk=bk, splits=s, warps=wp, stages=st)
+                fn = functools.partial(gemm_partials, **cfg, interpret=args.interpret)
+                variants.append((f"pallas bn{bn} bk{bk} s{s} w{wp} g{st}",
+                                 lambda x, w, fn=fn: fn(x, w)[:, :x.shape[0]].sum(0), cfg))
+            for label, fn, cfg in variants:
+                if args.interpret:
+                    if cfg is not None:
+                        got = np.asarray(gemm_partials(x, ws[0], **cfg, interpret=True)
+                                         [:, :m].sum(0))
+                        err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
+                        print(f"{name} m{m} {label}: max rel err {err:.2e}", flush=True)
+                        assert err < 1e-2, err
+                    continue
+
+                def step(x, ws, fn=fn):
+                    for w in ws:
+                        x = _next_input(fn(x, w), k)
+                    return x
+
+                try:
+                    run = chained(step, args.chain)
+                    jax.block_until_ready(run(x, ws))
+                    lines = profile_calls(run, (x, ws), args.chain * len(ws), top=4)
+                except Exception as e:      # a setting the device cannot run: say so, go on
+                    print(f"{name:8s} m{m:3d} {label:36s} failed: {str(e)[:120]}", flush=True)
+                    continue
+                dev = max(lines.values(), key=lambda e: e["total_us"])
+                results.append(dict(shape=name, rows=m, variant=label, config=cfg,
+                                    device_us=dev["total_us"], kernels=dev["top"]))
+                print(f"{name:8s} m{m:3d} {label:36s} {dev['total_us']:7.2f} us a call "
+                      f"(weights {k * n * 2 / 1e6:.1f} MB, {len(ws)} copies; " + ", ".join(
+                          f"{e['name']} {e['us']:.2f}" for e in dev["top"][:3]) + ")",
+                      flush=True)
+            if not args.interpret:
+                mine = [r for r in results if r["shape"] == name and r["rows"] == m]
+                base = next((r for r in mine if r["variant"] == "xla"), None)
+                best = min((r for r in mine if r["variant"] != "xla"),
+                           key=lambda r: r["device_us"], default=None)
+                if base and best:
+                    print(f"== {name} m{m}: xla {base['device_us']:.2f} us, best pallas "
+                          f"{best['device_us']:.2f} ({best['variant']}); weights at 3 TB/s "
+                          f"{k * n * 2 / 3e6:.2f} us", flush=True)
+    write_record(args.out, rows=args.rows, chain=args.chain, results=results)
+
+
+if __name__ == "__main__":
+    main()
