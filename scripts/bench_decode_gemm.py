@@ -25,6 +25,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.decode_mlp_gpu import gate_up_silu_pallas
 from sparrow_jax.benchmarking import chained, profile_calls, write_record
 
 SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288), "down": (6144, 2048)}
@@ -76,7 +77,7 @@ def _next_input(y, k):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[19, 48])
-    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--shapes", nargs="+", default=[*SHAPES, "gate_up_silu"])
     ap.add_argument("--bn", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--bk", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -94,7 +95,7 @@ def main(argv=None):
                                    + " --xla_gpu_enable_command_buffer=").strip()
     rng = np.random.default_rng(0)
     results = []
-    for name in args.shapes:
+    for name in (s for s in args.shapes if s in SHAPES):
         k, n = SHAPES[name]
         # Distinct weights past the L2 cache (50 MB on an H100), applied in turn: each call
         # reads its matrix from memory, as a decode step's layers do.
@@ -153,7 +154,69 @@ def main(argv=None):
                     print(f"== {name} m{m}: xla {base['device_us']:.2f} us, best pallas "
                           f"{best['device_us']:.2f} ({best['variant']}); weights at 3 TB/s "
                           f"{k * n * 2 / 3e6:.2f} us", flush=True)
+    if "gate_up_silu" in args.shapes:
+        gate_up_cases(args, rng, results)
     write_record(args.out, rows=args.rows, chain=args.chain, results=results)
+
+
+def _time(fn, x, ws, chain, label, results, **fields):
+    """Device us a call of ``fn`` chained over the weight sets ``ws`` (a profiler trace)."""
+    def step(x, ws):
+        for w in ws:
+            x = fn(x, *w)
+        return x
+
+    try:
+        run = chained(step, chain)
+        jax.block_until_ready(run(x, ws))
+        lines = profile_calls(run, (x, ws), chain * len(ws), top=4)
+    except Exception as e:      # a setting the device cannot run: say so, go on
+        print(f"{label:50s} failed: {str(e)[:120]}", flush=True)
+        return
+    dev = max(lines.values(), key=lambda e: e["total_us"])
+    results.append(dict(variant=label, device_us=dev["total_us"], kernels=dev["top"], **fields))
+    print(f"{label:50s} {dev['total_us']:7.2f} us a call (" + ", ".join(
+        f"{e['name']} {e['us']:.2f}" for e in dev["top"][:3]) + ")", flush=True)
+
+
+def gate_up_cases(args, rng, results):
+    """The MLP's first half: XLA's (one split-K GEMM for both projections, then SiLU x up over
+    their sums) against one Pallas kernel with SiLU x up as its epilogue."""
+    k, f = SHAPES["gate_up"][0], SHAPES["gate_up"][1] // 2
+    copies = max(1, -(-args.weights_mb // (2 * k * f * 2 // 2**20)))
+    ws = tuple(tuple(jnp.asarray(rng.normal(size=(k, f)) / np.sqrt(k), jnp.bfloat16)
+                     for _ in range(2)) for _ in range(1 if args.interpret else copies))
+    bf = jnp.bfloat16
+
+    def xla(x, g, u):
+        act = jax.nn.silu(jnp.dot(x, g).astype(bf)) * jnp.dot(x, u).astype(bf)
+        return act[:, :k] * bf(1e-3)
+
+    for m in args.rows:
+        x = jnp.asarray(rng.normal(size=(m, k)), bf)
+        want = np.asarray(xla(x, *ws[0]), np.float64) / 1e-3
+        variants = [("xla", xla, None)]
+        for bn, bk, wp, st in itertools.product([32, 64, 128], [64, 128], args.warps,
+                                                 args.stages):
+            if 2 * bk * bn * 2 * st > 160 * 1024:
+                continue
+            cfg = dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st)
+            fn = functools.partial(gate_up_silu_pallas, **cfg, interpret=args.interpret)
+            variants.append((f"pallas bn{bn} bk{bk} w{wp} g{st}",
+                             lambda x, g, u, fn=fn: fn(x, g, u)[:x.shape[0], :k] * bf(1e-3),
+                             cfg))
+        for label, fn, cfg in variants:
+            if args.interpret:
+                if cfg is not None:
+                    got = np.asarray(gate_up_silu_pallas(x, *ws[0], **cfg, interpret=True)
+                                     [:m, :k],
+                                     np.float64)
+                    err = float(np.max(np.abs(got - want)) / np.max(np.abs(want)))
+                    print(f"gate_up_silu m{m} {label}: max rel err against XLA {err:.2e}")
+                    assert err < 2e-2, err
+                continue
+            _time(fn, x, ws, args.chain, f"gate_up_silu m{m:3d} {label}", results,
+                  shape="gate_up_silu", rows=m, config=cfg)
 
 
 if __name__ == "__main__":

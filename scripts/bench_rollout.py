@@ -138,7 +138,7 @@ def _variant_chunk(graphdef, params, state, num_steps, *, settings, variant):
             return q[:, None], c
 
         hidden, cache = model.forward(st.last[:, None], pos[:, None], attend=attend, state=cache,
-                                      lora=settings.lora, fuse_qk_prep=True)
+                                      lora=settings.lora, decode_kernels="auto")
         hidden = hidden[:, 0]
         st = st._replace(cache=cache)
         if variant == "no_attention":

@@ -237,6 +237,13 @@ def _context_sizes() -> dict[str, int] | None:
     return sizes if sizes and any(s > 1 for s in sizes.values()) else None
 
 
+def has_context_mesh() -> bool:
+    """Whether arrays here are laid out over a mesh of several devices by XLA (a custom call
+    would then need its operands gathered); False inside ``shard_map``, whose code sees its
+    own shards."""
+    return _context_sizes() is not None
+
+
 def constrain(x: jax.Array, kind: str) -> jax.Array:
     """Pins activation ``x`` to :data:`ACTIVATION_RULES` ``[kind]`` under the context mesh; the
     identity without one (single-device code is unchanged)."""

@@ -19,6 +19,7 @@ import pytest
 from jax._src import mesh as mesh_lib
 from jax._src.pallas.triton import lowering as triton_lowering
 
+from pallas_kernels.decode_mlp_gpu import gate_up_silu_pallas
 from pallas_kernels.paged_append_gpu import append_token_pallas, prep_append_token_pallas
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, sparse_decode_pallas
 from sparrow_jax.attention.paged_dense import paged_attention_pallas
@@ -127,6 +128,19 @@ def prep_append_shapes(*, hq=16, h=8, d=128, pages=38951, **kw):
 def prep_append_step(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent):
     return prep_append_token_pallas(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent,
                                     layer=3, page_size=16, eps=1e-6)
+
+
+def gate_up_shapes(*, m=19, k=2048, f=6144):
+    """Qwen3-1.7B's MLP input half at the rollout's 19 rows: x, gate, up."""
+    return [jax.ShapeDtypeStruct(s, jnp.bfloat16) for s in [(m, k), (k, f), (k, f)]]
+
+
+def gate_up_step(x, gate, up):
+    return gate_up_silu_pallas(x, gate, up)
+
+
+def test_decode_gate_up_lowers_for_h100():
+    assert triton_kernels(gate_up_step, *gate_up_shapes(m=48)) == ["decode_gate_up_silu"]
 
 
 def test_paged_append_lowers_for_h100():
@@ -246,10 +260,11 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch,
 @pytest.mark.parametrize("fn,shapes,name", [
     (paged_attention_pallas, dense_shapes, "dense_decode_attend"),
     (append_step, append_shapes, "paged_append"),
-    (prep_append_step, prep_append_shapes, "paged_prep_append")])
+    (prep_append_step, prep_append_shapes, "paged_prep_append"),
+    (gate_up_step, gate_up_shapes, "decode_gate_up_silu")])
 def test_one_kernel_compiles_for_hopper_without_spills(fn, shapes, name, tmp_path, monkeypatch):
-    """Dense decode attention and the cache write (alone, and with q/k-norm and RoPE) at the
-    rollout's shapes."""
+    """Dense decode attention, the cache write (alone, and with q/k-norm and RoPE) and the MLP's
+    gate-up kernel at the rollout's shapes."""
     report = ptxas_report(fn, *shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [name]
     assert no_spills(report), report

@@ -181,7 +181,7 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
                                max_budget_pages=max_budget_pages)
     attend = _head_sharded(attend, head_axis)
     hidden, cache = model.forward(tokens[:, None], pos[:, None], attend=attend, state=cache,
-                                  lora=lora, fuse_qk_prep=True)
+                                  lora=lora, decode_kernels="auto")
     return hidden[:, 0], cache
 
 

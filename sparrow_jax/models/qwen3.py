@@ -23,6 +23,7 @@ from flax import nnx
 from sparrow_jax.attention.dense import causal_attend
 from sparrow_jax.attention.selection import SAVED_NAME
 from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.decode_mlp import gate_up_silu
 from sparrow_jax.models.lora import Linear
 from sparrow_jax.models.qk_prep import QKPrep, rms_norm
 from sparrow_jax.models.rope import rope_angles
@@ -33,7 +34,7 @@ REMAT_POLICY = jax.checkpoint_policies.save_only_these_names(SAVED_NAME)
 
 # attend(layer, q [B,T,Hq,D], k [B,T,Hkv,D], v [B,T,Hkv,D], state) -> (out [B,T,Hq,D], state).
 # q and k arrive after q/k-norm and RoPE; ``state`` is whatever the caller threads through the
-# layers (a paged cache, selection statistics), or None. Under ``forward(..., fuse_qk_prep=True)``
+# layers (a paged cache, selection statistics), or None. Under ``forward(..., decode_kernels=...)``
 # they arrive as projected, and attend takes a keyword ``prep``: the QKPrep to apply to them.
 AttendFn = Callable[[int, jax.Array, jax.Array, jax.Array, Any], tuple[jax.Array, Any]]
 
@@ -61,7 +62,7 @@ class Attention(nnx.Module):
             cfg.num_attention_heads, cfg.num_key_value_heads, hd)
 
     def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
-                 fuse_qk_prep: bool = False):
+                 decode_kernels: str | None = None):
         b, t, _ = x.shape
         q = constrain(self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim),
                       "BTHK")
@@ -71,7 +72,7 @@ class Attention(nnx.Module):
                       "BTHK")
         prep = QKPrep(self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
                       eps=self.q_norm.eps)
-        if fuse_qk_prep:
+        if decode_kernels is not None:
             out, state = attend(layer, q, k, v, state, prep=prep)
         else:
             out, state = attend(layer, *prep(q, k), v, state)
@@ -86,9 +87,17 @@ class MLP(nnx.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
 
-    def __call__(self, x, lora: bool):
-        gate = jax.nn.silu(self.gate_proj(x, lora=lora))
-        return self.down_proj(constrain(gate * self.up_proj(x, lora=lora), "BTF"), lora=lora)
+    def __call__(self, x, lora: bool, decode_kernels: str | None = None):
+        g, u = self.gate_proj, self.up_proj
+        if (decode_kernels is not None and g.bias is None and u.bias is None
+                and not (lora and (g.lora_a is not None or u.lora_a is not None))):
+            b, t, d = x.shape
+            act = gate_up_silu(x.reshape(b * t, d).astype(g.dtype), g.kernel[...], u.kernel[...],
+                               impl=decode_kernels)
+            if act is not None:
+                return self.down_proj(act, lora=lora)[:b * t].reshape(b, t, -1)
+        gate = jax.nn.silu(g(x, lora=lora))
+        return self.down_proj(constrain(gate * u(x, lora=lora), "BTF"), lora=lora)
 
 
 class Block(nnx.Module):
@@ -99,11 +108,11 @@ class Block(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, layer, attend, state, lora, fuse_qk_prep=False):
+    def __call__(self, x, cos, sin, layer, attend, state, lora, decode_kernels=None):
         h, state = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, state, lora,
-                                  fuse_qk_prep)
+                                  decode_kernels)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), lora)
+        x = x + self.mlp(self.post_attention_layernorm(x), lora, decode_kernels)
         return x, state
 
 
@@ -139,11 +148,14 @@ class Qwen3(nnx.Module):
     def forward(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                 attend: AttendFn = causal_attend, state: Any = None, lora: bool = False,
                 embeddings: jax.Array | None = None,
-                fuse_qk_prep: bool = False) -> tuple[jax.Array, Any]:
+                decode_kernels: str | None = None) -> tuple[jax.Array, Any]:
         """tokens ``[B, T]`` int, positions ``[B, T]`` (default ``arange(T)``) ->
         (final-normed hidden ``[B, T, hidden]`` in the compute dtype, attention state).
 
-        ``fuse_qk_prep``: ``attend`` applies q/k-norm and RoPE itself (see :data:`AttendFn`)."""
+        ``decode_kernels``: the decode step's form ("auto", "pallas" or "xla"; None: the
+        general one): ``attend`` applies q/k-norm and RoPE itself (see :data:`AttendFn`), and
+        the MLP's ``silu(gate) * up`` is one kernel where
+        :func:`sparrow_jax.models.decode_mlp.gate_up_silu` with that impl takes it."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         if positions is None:
@@ -155,9 +167,9 @@ class Qwen3(nnx.Module):
             if self.remat:
                 x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7, 8),
                                      policy=REMAT_POLICY)(
-                    block, x, cos, sin, i, attend, state, lora, fuse_qk_prep)
+                    block, x, cos, sin, i, attend, state, lora, decode_kernels)
             else:
-                x, state = block(x, cos, sin, i, attend, state, lora, fuse_qk_prep)
+                x, state = block(x, cos, sin, i, attend, state, lora, decode_kernels)
             x = constrain(x, "BTD")
         return self.norm(x), state
 

@@ -1,0 +1,94 @@
+"""The decode step's SiLU x up kernel (interpreted here) against float64 NumPy, its dispatch, and
+the model's decode form with it against the general forward."""
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+from flax import nnx
+
+import sparrow_jax.models.decode_mlp as decode_mlp
+from pallas_kernels.decode_mlp_gpu import gate_up_silu_pallas, padded_rows
+from sparrow_jax.attention.dense import causal_attend
+from sparrow_jax.config import ModelConfig
+from sparrow_jax.models.decode_mlp import gate_up_silu
+from sparrow_jax.models.lora import Linear, LoRAConfig, attach_lora
+from sparrow_jax.models.qwen3 import init_model
+
+
+def _numpy_gate_up(x, gate, up, dtype):
+    """float64 products, each rounded to ``dtype`` where the model rounds: the projections,
+    SiLU, the product."""
+    def rnd(a):
+        return a.astype(dtype).astype(np.float64)
+
+    x, gate, up = (np.asarray(a, np.float64) for a in (x, gate, up))
+    g, u = rnd(x @ gate), rnd(x @ up)
+    return rnd(rnd(g / (1 + np.exp(-g))) * u)
+
+
+@pytest.mark.parametrize("rows", [1, 5, 19, 33])
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_kernel_matches_float64(rows, dtype):
+    rng = np.random.default_rng(rows)
+    k, f = 256, 192                      # two K steps, three programs of 64 columns
+    x = jnp.asarray(rng.normal(size=(rows, k)), dtype)
+    gate, up = (jnp.asarray(rng.normal(size=(k, f)) / np.sqrt(k), dtype) for _ in range(2))
+    got = np.asarray(gate_up_silu_pallas(x, gate, up, interpret=True), np.float64)
+    assert got.shape == (padded_rows(rows), f)
+    np_dtype = ml_dtypes.bfloat16 if dtype == jnp.bfloat16 else np.float32
+    want = _numpy_gate_up(x, gate, up, np_dtype)
+    # bfloat16: a float32 sum rounded may land one unit in the last place (2^-8) from the
+    # float64 sum rounded.
+    tol = 2 ** -7 if dtype == jnp.bfloat16 else 1e-5
+    np.testing.assert_allclose(got[:rows], want, rtol=tol, atol=tol * np.abs(want).max())
+    np.testing.assert_array_equal(got[rows:], 0.0)
+
+
+def test_dispatch():
+    rng = np.random.default_rng(0)
+    x = jnp.asarray(rng.normal(size=(3, 128)), jnp.float32)
+    w = jnp.asarray(rng.normal(size=(128, 64)), jnp.float32)
+    assert gate_up_silu(x, w, w, impl="xla") is None
+    if jax.default_backend() != "gpu":
+        assert gate_up_silu(x, w, w, impl="auto") is None
+    assert gate_up_silu(x, w, w.astype(jnp.bfloat16), impl="pallas") is None   # a cast: XLA
+    out = gate_up_silu(x, w, w, impl="pallas")
+    np.testing.assert_allclose(np.asarray(out)[:3], _numpy_gate_up(x, w, w, np.float32),
+                               rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="multiples of 64 and 128"):
+        gate_up_silu(x, w[:, :48], w[:, :48], impl="pallas")
+    with pytest.raises(ValueError, match="unknown impl"):
+        gate_up_silu(x, w, w, impl="triton")
+
+
+def _decode_attend(layer, q, k, v, state, prep):
+    return causal_attend(layer, *prep(q, k), v, state)
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_model_decode_form_matches_the_general_forward(monkeypatch, lora):
+    calls = []
+    kernel = decode_mlp.gate_up_silu_pallas
+    monkeypatch.setattr(decode_mlp, "gate_up_silu_pallas",
+                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
+    cfg = ModelConfig.preset("tiny")
+    model = init_model(cfg, seed=1)
+    if lora:
+        attach_lora(model, LoRAConfig(rank=4), jax.random.key(2))
+        for m in _adapted_linears(model):      # B starts at zero: make the adapter count
+            m.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(3), m.lora_b[...].shape)
+    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (5, 1)), jnp.int32)
+    positions = jnp.asarray([[0], [3], [9], [100], [4000]], jnp.int32)
+    want, _ = model.forward(tokens, positions, lora=lora)
+    got, _ = model.forward(tokens, positions, attend=_decode_attend, lora=lora,
+                           decode_kernels="pallas")
+    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
+    # The kernel runs in every layer, except where a LoRA sits on the gate or up projection.
+    assert len(calls) == (0 if lora else cfg.num_hidden_layers)
+
+
+def _adapted_linears(model):
+    return [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear)
+            and m.lora_b is not None]
