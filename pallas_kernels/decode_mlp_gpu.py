@@ -24,10 +24,14 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-BLOCK_N = 64     # columns of each projection a program (H100 sweep, BENCHMARKS.md run I)
+BLOCK_N = 64     # columns of each projection a program (H100 sweeps, BENCHMARKS.md run J)
 BLOCK_K = 128
-WARPS = 4
 STAGES = 3
+
+
+def default_warps(rows: int) -> int:
+    """4 up to 64 rows, 8 beyond (H100: 23.9 -> 23.0 us at 96 rows, 23.5 -> 22.7 at 128)."""
+    return 4 if rows <= 64 else 8
 
 
 def padded_rows(m: int) -> int:
@@ -71,8 +75,9 @@ def _gate_up_kernel(x_ref, g_ref, u_ref, o_ref, *, rows, block_n, block_k):
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
 def gate_up_silu_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, *,
-                        block_n: int = BLOCK_N, block_k: int = BLOCK_K, num_warps: int = WARPS,
-                        num_stages: int = STAGES, interpret: bool = False) -> jax.Array:
+                        block_n: int = BLOCK_N, block_k: int = BLOCK_K,
+                        num_warps: int | None = None, num_stages: int = STAGES,
+                        interpret: bool = False) -> jax.Array:
     """x ``[M, K]``, gate and up ``[K, F]`` in x's dtype (a cast here would be a copy of the
     weights every call) -> ``silu(x @ gate) * (x @ up)`` as
     ``[padded_rows(M), F]`` in x's dtype (rows past M are the product of zero rows: zeros)."""
@@ -90,6 +95,7 @@ def gate_up_silu_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, *,
         functools.partial(_gate_up_kernel, rows=rows, block_n=block_n, block_k=block_k),
         grid=(f // block_n,),
         out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps(rows),
+                                             num_stages=num_stages),
         interpret=interpret, name="decode_gate_up_silu",
     )(x, gate, up)

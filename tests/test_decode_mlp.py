@@ -28,7 +28,7 @@ def _numpy_gate_up(x, gate, up, dtype):
     return rnd(rnd(g / (1 + np.exp(-g))) * u)
 
 
-@pytest.mark.parametrize("rows", [1, 5, 19, 33])
+@pytest.mark.parametrize("rows", [1, 5, 19, 33, 100])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_kernel_matches_float64(rows, dtype):
     rng = np.random.default_rng(rows)

@@ -139,8 +139,9 @@ def gate_up_step(x, gate, up):
     return gate_up_silu_pallas(x, gate, up)
 
 
-def test_decode_gate_up_lowers_for_h100():
-    assert triton_kernels(gate_up_step, *gate_up_shapes(m=48)) == ["decode_gate_up_silu"]
+@pytest.mark.parametrize("rows", [48, 128])        # 4 warps, and 8 above 64 rows
+def test_decode_gate_up_lowers_for_h100(rows):
+    assert triton_kernels(gate_up_step, *gate_up_shapes(m=rows)) == ["decode_gate_up_silu"]
 
 
 def test_paged_append_lowers_for_h100():
