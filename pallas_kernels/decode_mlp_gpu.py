@@ -6,7 +6,7 @@ Why: at decode's row counts the two projections are weight reads, and XLA runs t
 split-K GEMM whose float32 partial sums a second kernel reduces, applying SiLU x up; a program
 here owns whole columns of both projections (no split of K), so the product is its epilogue
 and that second launch goes (H100, Qwen3-1.7B's 2048 x 6144 pair, 48 rows: 20.5 us against
-XLA's 20.4 + 3.3; BENCHMARKS.md, rollout run I). Rows are padded to ``R`` (a power of two, 16
+XLA's 20.4 + 3.3; BENCHMARKS.md, rollout run J). Rows are padded to ``R`` (a power of two, 16
 at least: the matrix units' minimum) by masked loads, and the result keeps them: the caller
 slices after the down projection, whose consumer takes the slice for free.
 
