@@ -97,14 +97,10 @@ def main(argv=None):
     results = []
     for name in (s for s in args.shapes if s in SHAPES):
         k, n = SHAPES[name]
-        # Distinct weights past the L2 cache (50 MB on an H100), applied in turn: each call
-        # reads its matrix from memory, as a decode step's layers do.
-        copies = max(1, -(-args.weights_mb // (k * n * 2 // 2**20)))
-        ws = tuple(jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
-                   for _ in range(1 if args.interpret else copies))
+        ws = _weights(args, rng, k, n, 1)
         for m in args.rows:
             x = jnp.asarray(rng.normal(size=(m, k)), jnp.bfloat16)
-            ref = np.asarray(x, np.float64) @ np.asarray(ws[0], np.float64)
+            ref = np.asarray(x, np.float64) @ np.asarray(ws[0][0], np.float64)
             xla = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
             variants = [("xla", xla, None)]
             for bn, bk, s, wp, st in itertools.product(args.bn, args.bk, args.splits,
@@ -119,32 +115,15 @@ def main(argv=None):
             for label, fn, cfg in variants:
                 if args.interpret:
                     if cfg is not None:
-                        got = np.asarray(gemm_partials(x, ws[0], **cfg, interpret=True)
+                        got = np.asarray(gemm_partials(x, *ws[0], **cfg, interpret=True)
                                          [:, :m].sum(0))
                         err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
                         print(f"{name} m{m} {label}: max rel err {err:.2e}", flush=True)
                         assert err < 1e-2, err
                     continue
 
-                def step(x, ws, fn=fn):
-                    for w in ws:
-                        x = _next_input(fn(x, w), k)
-                    return x
-
-                try:
-                    run = chained(step, args.chain)
-                    jax.block_until_ready(run(x, ws))
-                    lines = profile_calls(run, (x, ws), args.chain * len(ws), top=4)
-                except Exception as e:      # a setting the device cannot run: say so, go on
-                    print(f"{name:8s} m{m:3d} {label:36s} failed: {str(e)[:120]}", flush=True)
-                    continue
-                dev = max(lines.values(), key=lambda e: e["total_us"])
-                results.append(dict(shape=name, rows=m, variant=label, config=cfg,
-                                    device_us=dev["total_us"], kernels=dev["top"]))
-                print(f"{name:8s} m{m:3d} {label:36s} {dev['total_us']:7.2f} us a call "
-                      f"(weights {k * n * 2 / 1e6:.1f} MB, {len(ws)} copies; " + ", ".join(
-                          f"{e['name']} {e['us']:.2f}" for e in dev["top"][:3]) + ")",
-                      flush=True)
+                _time(lambda x, w, fn=fn: _next_input(fn(x, w), k), x, ws, args.chain,
+                      f"{name:8s} m{m:3d} {label}", results, shape=name, rows=m, config=cfg)
             if not args.interpret:
                 mine = [r for r in results if r["shape"] == name and r["rows"] == m]
                 base = next((r for r in mine if r["variant"] == "xla"), None)
@@ -157,6 +136,16 @@ def main(argv=None):
     if "gate_up_silu" in args.shapes:
         gate_up_cases(args, rng, results)
     write_record(args.out, rows=args.rows, chain=args.chain, results=results)
+
+
+def _weights(args, rng, k, n, per_call):
+    """Sets of ``per_call`` bf16 ``[k, n]`` matrices, distinct past the L2 cache (50 MB on an
+    H100) in all, used in turn: each call reads its weights from memory, as a decode step's
+    layers do (one set when only checking)."""
+    mb = max(1, per_call * k * n * 2 >> 20)
+    sets = 1 if args.interpret else max(1, -(-args.weights_mb // mb))
+    return tuple(tuple(jnp.asarray(rng.normal(size=(k, n)) / np.sqrt(k), jnp.bfloat16)
+                       for _ in range(per_call)) for _ in range(sets))
 
 
 def _time(fn, x, ws, chain, label, results, **fields):
@@ -183,9 +172,7 @@ def gate_up_cases(args, rng, results):
     """The MLP's first half: XLA's (one split-K GEMM for both projections, then SiLU x up over
     their sums) against one Pallas kernel with SiLU x up as its epilogue."""
     k, f = SHAPES["gate_up"][0], SHAPES["gate_up"][1] // 2
-    copies = max(1, -(-args.weights_mb // (2 * k * f * 2 // 2**20)))
-    ws = tuple(tuple(jnp.asarray(rng.normal(size=(k, f)) / np.sqrt(k), jnp.bfloat16)
-                     for _ in range(2)) for _ in range(1 if args.interpret else copies))
+    ws = _weights(args, rng, k, f, 2)
     bf = jnp.bfloat16
 
     def xla(x, g, u):
