@@ -25,8 +25,19 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 BLOCK_N = 64     # columns of each projection a program (H100 sweeps, BENCHMARKS.md run J)
-BLOCK_K = 128
-STAGES = 3
+STAGES = 3       # the K loop's pipeline depth where shared memory allows (ibid.)
+SHARED_BYTES = 232448    # an H100 program's shared memory (227 KiB)
+
+
+def default_block_k(itemsize: int) -> int:
+    """A K step of 256 bytes a row: 128 for 16-bit inputs (ibid.), 64 for float32, whose tiles
+    at 128 in registers spill from 64 rows (ptxas for sm_90)."""
+    return 256 // itemsize
+
+
+def max_rows(itemsize: int) -> int:
+    """The most rows the default blocks take without spilling: 256 16-bit, 128 float32."""
+    return 512 // itemsize
 
 
 def default_warps(rows: int) -> int:
@@ -39,11 +50,29 @@ def padded_rows(m: int) -> int:
     return max(16, 1 << (m - 1).bit_length())
 
 
-def kernel_limits(k: int, f: int, block_n: int = BLOCK_N, block_k: int = BLOCK_K) -> str | None:
-    """Why the kernel cannot take a ``[K, F]`` pair (None when it can)."""
+def pipeline_stages(rows: int, itemsize: int, block_n: int, block_k: int) -> int:
+    """The K loop's pipeline depth: :data:`STAGES`, fewer where that many copies of a step's
+    tiles (x's ``[R, BK]`` and both weights' ``[BK, BN]``) overflow shared memory (256 rows of
+    bfloat16: 2), 0 where not even one fits."""
+    per_stage = (rows * block_k + 2 * block_k * block_n) * itemsize
+    return min(STAGES, SHARED_BYTES // per_stage)
+
+
+def kernel_limits(m: int, k: int, f: int, dtype, block_n: int = BLOCK_N,
+                  block_k: int | None = None) -> str | None:
+    """Why the kernel cannot take ``m`` rows of ``dtype`` against a ``[K, F]`` pair (None
+    when it can)."""
+    itemsize = jnp.dtype(dtype).itemsize
+    block_k = block_k or default_block_k(itemsize)
     if f % block_n or k % block_k:
         return (f"the projections' width ({f}) and depth ({k}) must be multiples of "
-                f"{block_n} and {block_k}")
+                f"{block_n} and {block_k} ({jnp.dtype(dtype).name}'s K step)")
+    rows = padded_rows(m)
+    if rows > max_rows(itemsize):
+        return f"{m} rows of {jnp.dtype(dtype).name} is more than the kernel's {max_rows(itemsize)}"
+    if not pipeline_stages(rows, itemsize, block_n, block_k):
+        return (f"{rows} rows of {jnp.dtype(dtype).name} with {block_k}-deep steps overflow "
+                f"the {SHARED_BYTES} bytes of shared memory")
     return None
 
 
@@ -75,8 +104,8 @@ def _gate_up_kernel(x_ref, g_ref, u_ref, o_ref, *, rows, block_n, block_k):
 @functools.partial(jax.jit, static_argnames=("block_n", "block_k", "num_warps", "num_stages",
                                              "interpret"))
 def gate_up_silu_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, *,
-                        block_n: int = BLOCK_N, block_k: int = BLOCK_K,
-                        num_warps: int | None = None, num_stages: int = STAGES,
+                        block_n: int = BLOCK_N, block_k: int | None = None,
+                        num_warps: int | None = None, num_stages: int | None = None,
                         interpret: bool = False) -> jax.Array:
     """x ``[M, K]``, gate and up ``[K, F]`` in x's dtype (a cast here would be a copy of the
     weights every call) -> ``silu(x @ gate) * (x @ up)`` as
@@ -87,15 +116,17 @@ def gate_up_silu_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, *,
         raise ValueError(f"gate_up_silu_pallas: x {x.shape} {x.dtype} needs gate and up "
                          f"[{k}, F] of its dtype, got {gate.shape} {gate.dtype} and "
                          f"{up.shape} {up.dtype}")
-    why = kernel_limits(k, f, block_n, block_k)
+    why = kernel_limits(m, k, f, x.dtype, block_n, block_k)
     if why is not None:
         raise ValueError(f"gate_up_silu_pallas: {why}")
     rows = padded_rows(m)
+    block_k = block_k or default_block_k(x.dtype.itemsize)
     return pl.pallas_call(
         functools.partial(_gate_up_kernel, rows=rows, block_n=block_n, block_k=block_k),
         grid=(f // block_n,),
         out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps or default_warps(rows),
-                                             num_stages=num_stages),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or default_warps(rows),
+            num_stages=num_stages or pipeline_stages(rows, x.dtype.itemsize, block_n, block_k)),
         interpret=interpret, name="decode_gate_up_silu",
     )(x, gate, up)

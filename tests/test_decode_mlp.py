@@ -60,8 +60,15 @@ def test_dispatch():
     out = gate_up_silu(x, w, w, impl="pallas")
     np.testing.assert_allclose(np.asarray(out)[:3], _numpy_gate_up(x, w, w, np.float32),
                                rtol=1e-5, atol=1e-5)
-    with pytest.raises(ValueError, match="multiples of 64 and 128"):
+    with pytest.raises(ValueError, match=r"multiples of 64 and 64 \(float32's K step"):
         gate_up_silu(x, w[:, :48], w[:, :48], impl="pallas")
+    many = jnp.zeros((129, 128), jnp.float32)      # past float32's 128 rows: XLA, or an error
+    if jax.default_backend() == "gpu":
+        assert gate_up_silu(many, w, w, impl="auto") is None
+    with pytest.raises(ValueError, match="129 rows of float32 is more than the kernel's 128"):
+        gate_up_silu(many, w, w, impl="pallas")
+    assert gate_up_silu(many.astype(jnp.bfloat16), *(w.astype(jnp.bfloat16),) * 2,
+                        impl="pallas").shape == (256, 64)
     with pytest.raises(ValueError, match="unknown impl"):
         gate_up_silu(x, w, w, impl="triton")
 

@@ -15,14 +15,15 @@ def gate_up_silu(x: jax.Array, gate: jax.Array, up: jax.Array, *,
     to be dropped after the down projection), or None where XLA's ops should run instead.
 
     impl: "auto" takes the kernel on a GPU where it applies (weights already in x's dtype, no
-    device mesh in context: a custom call would make XLA gather sharded weights); "pallas"
+    device mesh in context: a custom call would make XLA gather sharded weights; rows and dtype
+    within :func:`~pallas_kernels.decode_mlp_gpu.kernel_limits`); "pallas"
     takes it wherever it applies (Pallas' interpreter off a GPU: tests) and raises where its
     shapes rule it out; "xla" never."""
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"gate_up_silu: unknown impl {impl!r}; expected auto, xla or pallas")
     if impl == "xla" or has_context_mesh() or not gate.dtype == up.dtype == x.dtype:
         return None
-    why = kernel_limits(*gate.shape)
+    why = kernel_limits(x.shape[0], *gate.shape, x.dtype)
     on_gpu = jax.default_backend() == "gpu"
     if impl == "pallas" and why is not None:
         raise ValueError(f"gate_up_silu(impl='pallas'): {why}")
