@@ -24,20 +24,11 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.decode_gemm_gpu import (SHARED_BYTES, default_block_k, max_rows,
+                                            padded_rows, pipeline_stages)
+
 BLOCK_N = 64     # columns of each projection a program (H100 sweeps, BENCHMARKS.md run J)
 STAGES = 3       # the K loop's pipeline depth where shared memory allows (ibid.)
-SHARED_BYTES = 232448    # an H100 program's shared memory (227 KiB)
-
-
-def default_block_k(itemsize: int) -> int:
-    """A K step of 256 bytes a row: 128 for 16-bit inputs (ibid.), 64 for float32, whose tiles
-    at 128 in registers spill from 64 rows (ptxas for sm_90)."""
-    return 256 // itemsize
-
-
-def max_rows(itemsize: int) -> int:
-    """The most rows the default blocks take without spilling: 256 16-bit, 128 float32."""
-    return 512 // itemsize
 
 
 def default_warps(rows: int) -> int:
@@ -45,17 +36,10 @@ def default_warps(rows: int) -> int:
     return 4 if rows <= 64 else 8
 
 
-def padded_rows(m: int) -> int:
-    """The rows the kernel computes for ``m`` rows: a power of two, 16 at least."""
-    return max(16, 1 << (m - 1).bit_length())
-
-
-def pipeline_stages(rows: int, itemsize: int, block_n: int, block_k: int) -> int:
-    """The K loop's pipeline depth: :data:`STAGES`, fewer where that many copies of a step's
-    tiles (x's ``[R, BK]`` and both weights' ``[BK, BN]``) overflow shared memory (256 rows of
-    bfloat16: 2), 0 where not even one fits."""
-    per_stage = (rows * block_k + 2 * block_k * block_n) * itemsize
-    return min(STAGES, SHARED_BYTES // per_stage)
+def _stages(rows: int, itemsize: int, block_n: int, block_k: int) -> int:
+    """:data:`STAGES` where shared memory holds that many copies of a K step's tiles (x's
+    ``[R, BK]`` and both weights' ``[BK, BN]``; 256 rows of bfloat16: 2)."""
+    return pipeline_stages((rows * block_k + 2 * block_k * block_n) * itemsize, STAGES)
 
 
 def kernel_limits(m: int, k: int, f: int, dtype, block_n: int = BLOCK_N,
@@ -70,7 +54,7 @@ def kernel_limits(m: int, k: int, f: int, dtype, block_n: int = BLOCK_N,
     rows = padded_rows(m)
     if rows > max_rows(itemsize):
         return f"{m} rows of {jnp.dtype(dtype).name} is more than the kernel's {max_rows(itemsize)}"
-    if not pipeline_stages(rows, itemsize, block_n, block_k):
+    if not _stages(rows, itemsize, block_n, block_k):
         return (f"{rows} rows of {jnp.dtype(dtype).name} with {block_k}-deep steps overflow "
                 f"the {SHARED_BYTES} bytes of shared memory")
     return None
@@ -127,6 +111,6 @@ def gate_up_silu_pallas(x: jax.Array, gate: jax.Array, up: jax.Array, *,
         out_shape=jax.ShapeDtypeStruct((rows, f), x.dtype),
         compiler_params=plgpu.CompilerParams(
             num_warps=num_warps or default_warps(rows),
-            num_stages=num_stages or pipeline_stages(rows, x.dtype.itemsize, block_n, block_k)),
+            num_stages=num_stages or _stages(rows, x.dtype.itemsize, block_n, block_k)),
         interpret=interpret, name="decode_gate_up_silu",
     )(x, gate, up)

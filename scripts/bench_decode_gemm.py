@@ -21,50 +21,13 @@ import os
 import jax
 import jax.numpy as jnp
 import numpy as np
-from jax import lax
-from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.decode_gemm_gpu import add_norm_pallas, gemm_partials_pallas, padded_rows
 from pallas_kernels.decode_mlp_gpu import gate_up_silu_pallas
+from sparrow_jax.models.qk_prep import rms_norm
 from sparrow_jax.benchmarking import chained, profile_calls, write_record
 
 SHAPES = {"qkv": (2048, 4096), "o": (2048, 2048), "gate_up": (2048, 12288), "down": (6144, 2048)}
-
-
-def _gemm_kernel(x_ref, w_ref, o_ref, *, rows, bn, bk, kspan):
-    """Grid (N / BN, S): x ``[M, K]`` (read as ``rows`` rows, zeros past M), w ``[K, N]`` ->
-    this program's partial sum ``[S, rows, N]`` over its K span."""
-    n_id, s_id = pl.program_id(0), pl.program_id(1)
-    m = x_ref.shape[0]
-    r = lax.broadcasted_iota(jnp.int32, (rows, bk), 0)
-    c = lax.broadcasted_iota(jnp.int32, (rows, bk), 1)
-    row = jnp.minimum(r, m - 1)
-
-    def body(i, acc):
-        k0 = s_id * kspan + i * bk
-        xt = plgpu.load(x_ref.at[row, k0 + c], mask=r < m, other=0)
-        wt = w_ref[pl.ds(k0, bk), pl.ds(n_id * bn, bn)]
-        return acc + jnp.dot(xt, wt, preferred_element_type=jnp.float32)
-
-    acc = lax.fori_loop(0, kspan // bk, body, jnp.zeros((rows, bn), jnp.float32))
-    o_ref[s_id, :, pl.ds(n_id * bn, bn)] = acc
-
-
-def gemm_partials(x, w, *, bn, bk, splits, warps, stages, interpret=False):
-    """x ``[M, K]`` bf16, w ``[K, N]`` bf16 -> partial sums ``[splits, R, N]`` float32, rows
-    padded to ``R`` (a power of two, 16 at least; rows past M are zero)."""
-    m, k = x.shape
-    n = w.shape[1]
-    rows = max(16, 1 << (m - 1).bit_length())
-    kspan = k // splits
-    assert n % bn == 0 and kspan % bk == 0, (n, bn, k, splits, bk)
-    return pl.pallas_call(
-        functools.partial(_gemm_kernel, rows=rows, bn=bn, bk=bk, kspan=kspan),
-        grid=(n // bn, splits),
-        out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=stages),
-        interpret=interpret, name="decode_gemm",
-    )(x, w)
 
 
 def _next_input(y, k):
@@ -77,7 +40,7 @@ def _next_input(y, k):
 def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--rows", type=int, nargs="+", default=[19, 48])
-    ap.add_argument("--shapes", nargs="+", default=[*SHAPES, "gate_up_silu"])
+    ap.add_argument("--shapes", nargs="+", default=[*SHAPES, "gate_up_silu", "add_norm"])
     ap.add_argument("--bn", type=int, nargs="+", default=[64, 128])
     ap.add_argument("--bk", type=int, nargs="+", default=[128, 256])
     ap.add_argument("--splits", type=int, nargs="+", default=[1, 2, 4, 8])
@@ -108,14 +71,14 @@ def main(argv=None):
                 if (n % bn or (k // s) % bk or (n // bn) * s < args.min_programs
                         or bk * bn * 2 * st > 160 * 1024):
                     continue
-                cfg = dict(bn=bn, bk=bk, splits=s, warps=wp, stages=st)
-                fn = functools.partial(gemm_partials, **cfg, interpret=args.interpret)
+                cfg = dict(block_n=bn, block_k=bk, splits=s, num_warps=wp, num_stages=st)
+                fn = functools.partial(gemm_partials_pallas, **cfg, interpret=args.interpret)
                 variants.append((f"pallas bn{bn} bk{bk} s{s} w{wp} g{st}",
                                  lambda x, w, fn=fn: fn(x, w)[:, :x.shape[0]].sum(0), cfg))
             for label, fn, cfg in variants:
                 if args.interpret:
                     if cfg is not None:
-                        got = np.asarray(gemm_partials(x, *ws[0], **cfg, interpret=True)
+                        got = np.asarray(gemm_partials_pallas(x, *ws[0], **cfg, interpret=True)
                                          [:, :m].sum(0))
                         err = float(np.max(np.abs(got - ref)) / np.max(np.abs(ref)))
                         print(f"{name} m{m} {label}: max rel err {err:.2e}", flush=True)
@@ -135,6 +98,8 @@ def main(argv=None):
                           f"{k * n * 2 / 3e6:.2f} us", flush=True)
     if "gate_up_silu" in args.shapes:
         gate_up_cases(args, rng, results)
+    if "add_norm" in args.shapes:
+        add_norm_cases(args, rng, results)
     write_record(args.out, rows=args.rows, chain=args.chain, results=results)
 
 
@@ -204,6 +169,37 @@ def gate_up_cases(args, rng, results):
                 continue
             _time(fn, x, ws, args.chain, f"gate_up_silu m{m:3d} {label}", results,
                   shape="gate_up_silu", rows=m, config=cfg)
+
+
+def add_norm_cases(args, rng, results):
+    """A projection's split-K partial sums (4 of Qwen3-1.7B's 2048-wide rows) summed into the
+    residual, then RMSNorm, both outputs kept: XLA's ops against one Pallas kernel at several
+    warp counts. The carry is (residual, normed), so neither output can be dropped."""
+    n, splits = SHAPES["o"][1], 4
+    weight = jnp.asarray(1 + 0.1 * rng.normal(size=(n,)), jnp.float32)
+    for m in args.rows:
+        parts = jnp.asarray(rng.normal(size=(splits, padded_rows(m), n)), jnp.float32)
+        carry = (jnp.asarray(rng.normal(size=(m, n)), jnp.bfloat16),) * 2
+
+        def xla(c, p, w, m=m):
+            x = c[0] + p.sum(0)[:m].astype(jnp.bfloat16)
+            return x, rms_norm(x, w, 1e-6)
+
+        variants = [("xla", xla)] + [
+            (f"pallas w{wp}", lambda c, p, w, wp=wp: add_norm_pallas(
+                p, c[0], w, eps=1e-6, num_warps=wp, interpret=args.interpret))
+            for wp in (1, 2, 4, 8)]
+        want = xla(carry, parts, weight)
+        for label, fn in variants:
+            if args.interpret:
+                got = fn(carry, parts, weight)
+                for g, w in zip(got, want):
+                    np.testing.assert_allclose(np.asarray(g, np.float32),
+                                               np.asarray(w, np.float32), rtol=2e-2, atol=2e-2)
+                print(f"add_norm m{m} {label}: matches XLA's")
+                continue
+            _time(fn, carry, ((parts, weight),), args.chain, f"add_norm m{m:3d} {label}",
+                  results, shape="add_norm", rows=m)
 
 
 if __name__ == "__main__":

@@ -1,5 +1,5 @@
-"""The decode step's SiLU x up kernel against float64 NumPy, its dispatch, and the model's decode
-form with it against the general forward. On CPU the kernel runs in Pallas' interpreter; on a
+"""The decode step's SiLU x up kernel against float64 NumPy, and its dispatch (the model's decode
+form with it: tests/test_decode_gemm.py). On CPU the kernel runs in Pallas' interpreter; on a
 GPU the same tests compile it with Triton."""
 
 import jax
@@ -7,15 +7,9 @@ import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
 import pytest
-from flax import nnx
 
-import sparrow_jax.models.decode_mlp as decode_mlp
 from pallas_kernels.decode_mlp_gpu import gate_up_silu_pallas, padded_rows
-from sparrow_jax.attention.dense import causal_attend
-from sparrow_jax.config import ModelConfig
-from sparrow_jax.models.decode_mlp import gate_up_silu
-from sparrow_jax.models.lora import Linear, LoRAConfig, attach_lora
-from sparrow_jax.models.qwen3 import init_model
+from sparrow_jax.models.decode_kernels import gate_up_silu
 
 INTERPRET = jax.default_backend() != "gpu"
 
@@ -71,34 +65,3 @@ def test_dispatch():
                         impl="pallas").shape == (256, 64)
     with pytest.raises(ValueError, match="unknown impl"):
         gate_up_silu(x, w, w, impl="triton")
-
-
-def _decode_attend(layer, q, k, v, state, prep):
-    return causal_attend(layer, *prep(q, k), v, state)
-
-
-@pytest.mark.parametrize("lora", [False, True])
-def test_model_decode_form_matches_the_general_forward(monkeypatch, lora):
-    calls = []
-    kernel = decode_mlp.gate_up_silu_pallas
-    monkeypatch.setattr(decode_mlp, "gate_up_silu_pallas",
-                        lambda *a, **kw: calls.append(1) or kernel(*a, **kw))
-    cfg = ModelConfig.preset("tiny")
-    model = init_model(cfg, seed=1)
-    if lora:
-        attach_lora(model, LoRAConfig(rank=4), jax.random.key(2))
-        for m in _adapted_linears(model):      # B starts at zero: make the adapter count
-            m.lora_b[...] = 0.1 * jax.random.normal(jax.random.key(3), m.lora_b[...].shape)
-    tokens = jnp.asarray(np.random.default_rng(0).integers(0, cfg.vocab_size, (5, 1)), jnp.int32)
-    positions = jnp.asarray([[0], [3], [9], [100], [4000]], jnp.int32)
-    want, _ = model.forward(tokens, positions, lora=lora)
-    got, _ = model.forward(tokens, positions, attend=_decode_attend, lora=lora,
-                           decode_kernels="pallas")
-    np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
-    # The kernel runs in every layer, except where a LoRA sits on the gate or up projection.
-    assert len(calls) == (0 if lora else cfg.num_hidden_layers)
-
-
-def _adapted_linears(model):
-    return [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear)
-            and m.lora_b is not None]

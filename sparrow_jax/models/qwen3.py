@@ -23,7 +23,7 @@ from flax import nnx
 from sparrow_jax.attention.dense import causal_attend
 from sparrow_jax.attention.selection import SAVED_NAME
 from sparrow_jax.config import ModelConfig
-from sparrow_jax.models.decode_mlp import gate_up_silu
+from sparrow_jax.models.decode_kernels import gate_up_silu, kernels_apply, project_add_norm
 from sparrow_jax.models.lora import Linear
 from sparrow_jax.models.qk_prep import QKPrep, rms_norm
 from sparrow_jax.models.rope import rope_angles
@@ -61,8 +61,10 @@ class Attention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (
             cfg.num_attention_heads, cfg.num_key_value_heads, hd)
 
-    def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
-                 decode_kernels: str | None = None):
+    def heads(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
+              decode_kernels: str | None = None):
+        """x ``[B, T, hidden]`` (normed) -> (the heads' attention ``[B, T, Hq * D]`` in x's
+        dtype, before the O projection; state)."""
         b, t, _ = x.shape
         q = constrain(self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim),
                       "BTHK")
@@ -76,7 +78,11 @@ class Attention(nnx.Module):
             out, state = attend(layer, q, k, v, state, prep=prep)
         else:
             out, state = attend(layer, *prep(q, k), v, state)
-        out = out.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim)
+        return out.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim), state
+
+    def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
+                 decode_kernels: str | None = None):
+        out, state = self.heads(x, cos, sin, layer, attend, state, lora, decode_kernels)
         return self.o_proj(out, lora=lora), state
 
 
@@ -87,17 +93,21 @@ class MLP(nnx.Module):
         self.up_proj = Linear(cfg.hidden_size, cfg.intermediate_size, **lin)
         self.down_proj = Linear(cfg.intermediate_size, cfg.hidden_size, **lin)
 
-    def __call__(self, x, lora: bool, decode_kernels: str | None = None):
+    def activation(self, x, lora: bool, decode_kernels: str) -> jax.Array:
+        """The decode form's ``silu(gate(x)) * up(x)`` for x ``[M, hidden]``: ``[R >= M, F]``
+        (the gate-up kernel pads rows; the caller drops them after the down projection)."""
         g, u = self.gate_proj, self.up_proj
-        if (decode_kernels is not None and g.bias is None and u.bias is None
-                and not (lora and (g.lora_a is not None or u.lora_a is not None))):
-            b, t, d = x.shape
-            act = gate_up_silu(x.reshape(b * t, d).astype(g.dtype), g.kernel[...], u.kernel[...],
+        if g.bias is None and u.bias is None and not (
+                lora and (g.lora_a is not None or u.lora_a is not None)):
+            act = gate_up_silu(x.astype(g.dtype), g.kernel[...], u.kernel[...],
                                impl=decode_kernels)
             if act is not None:
-                return self.down_proj(act, lora=lora)[:b * t].reshape(b, t, -1)
-        gate = jax.nn.silu(g(x, lora=lora))
-        return self.down_proj(constrain(gate * u(x, lora=lora), "BTF"), lora=lora)
+                return act
+        return jax.nn.silu(g(x, lora=lora)) * u(x, lora=lora)
+
+    def __call__(self, x, lora: bool):
+        gate = jax.nn.silu(self.gate_proj(x, lora=lora))
+        return self.down_proj(constrain(gate * self.up_proj(x, lora=lora), "BTF"), lora=lora)
 
 
 class Block(nnx.Module):
@@ -112,8 +122,26 @@ class Block(nnx.Module):
         h, state = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, state, lora,
                                   decode_kernels)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), lora, decode_kernels)
+        x = x + self.mlp(self.post_attention_layernorm(x), lora)
         return x, state
+
+    def decode(self, x, normed, cos, sin, layer, attend, state, lora, decode_kernels,
+               next_norm: RMSNorm):
+        """The decode form: x ``[M, hidden]`` (the residual stream, M = B * T) and ``normed``
+        (this block's input norm of it, which the block before computed) -> (x after the
+        block, ``next_norm`` of it, state). Each projection into the residual stream ends in
+        the add and the norm that follows it: two kernels where
+        :func:`~sparrow_jax.models.decode_kernels.project_add_norm` takes them."""
+        b, t = cos.shape[:2]
+        h, state = self.self_attn.heads(normed.reshape(b, t, -1), cos, sin, layer, attend,
+                                        state, lora, decode_kernels)
+        post = self.post_attention_layernorm
+        x, normed = project_add_norm(self.self_attn.o_proj, h.reshape(b * t, -1), x,
+                                     post.weight[...], post.eps, lora=lora, impl=decode_kernels)
+        act = self.mlp.activation(normed, lora, decode_kernels)
+        x, normed = project_add_norm(self.mlp.down_proj, act, x, next_norm.weight[...],
+                                     next_norm.eps, lora=lora, impl=decode_kernels)
+        return x, normed, state
 
 
 class Qwen3(nnx.Module):
@@ -154,8 +182,8 @@ class Qwen3(nnx.Module):
 
         ``decode_kernels``: the decode step's form ("auto", "pallas" or "xla"; None: the
         general one): ``attend`` applies q/k-norm and RoPE itself (see :data:`AttendFn`), and
-        the MLP's ``silu(gate) * up`` is one kernel where
-        :func:`sparrow_jax.models.decode_mlp.gate_up_silu` with that impl takes it."""
+        where :func:`sparrow_jax.models.decode_kernels.kernels_apply` says kernels may run,
+        the layers run as :meth:`Block.decode` (no remat: the decode form is for inference)."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         if positions is None:
@@ -163,6 +191,8 @@ class Qwen3(nnx.Module):
                                          tokens.shape)
         x = constrain(self.embed(tokens) if embeddings is None else embeddings, "BTD")
         cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
+        if decode_kernels is not None and kernels_apply(decode_kernels):
+            return self._decode_layers(x, cos, sin, attend, state, lora, decode_kernels)
         for i, block in enumerate(self.layers):
             if self.remat:
                 x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7, 8),
@@ -172,6 +202,18 @@ class Qwen3(nnx.Module):
                 x, state = block(x, cos, sin, i, attend, state, lora, decode_kernels)
             x = constrain(x, "BTD")
         return self.norm(x), state
+
+    def _decode_layers(self, x, cos, sin, attend, state, lora, decode_kernels):
+        """The layers in their decode form: each block hands the next one its input norm (the
+        last one the final norm)."""
+        b, t, d = x.shape
+        x = x.reshape(b * t, d)
+        normed = self.layers[0].input_layernorm(x)
+        norms = [block.input_layernorm for block in self.layers[1:]] + [self.norm]
+        for i, (block, next_norm) in enumerate(zip(self.layers, norms)):
+            x, normed, state = block.decode(x, normed, cos, sin, i, attend, state, lora,
+                                            decode_kernels, next_norm)
+        return normed.reshape(b, t, d), state
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                  lora: bool = False) -> jax.Array:

@@ -1,0 +1,73 @@
+"""Which way the decode step's matmuls run: the Pallas kernels of
+:mod:`pallas_kernels.decode_mlp_gpu` (``silu(x @ gate) * (x @ up)`` in one launch) and
+:mod:`pallas_kernels.decode_gemm_gpu` (a projection back into the residual stream with the
+residual add and the next RMSNorm in two) on a GPU, XLA's ops elsewhere.
+
+``impl``: "auto" takes the kernels on a GPU where they apply; "pallas" wherever they apply
+(Pallas' interpreter off a GPU: tests) and raises where their shapes rule them out; "xla"
+never. No kernel runs with a device mesh in context (a custom call would make XLA gather
+sharded weights), with weights not in the compute dtype (a cast would copy them every step),
+or where a projection has a bias or an active LoRA adapter.
+"""
+
+from __future__ import annotations
+
+import jax
+
+from pallas_kernels.decode_gemm_gpu import add_norm_pallas, gemm_limits, gemm_partials_pallas
+from pallas_kernels.decode_mlp_gpu import gate_up_silu_pallas, kernel_limits
+from sparrow_jax.models.lora import Linear
+from sparrow_jax.models.qk_prep import rms_norm
+from sparrow_jax.sharding import has_context_mesh
+
+IMPLS = ("auto", "xla", "pallas")
+
+
+def kernels_apply(impl: str) -> bool:
+    """Whether ``impl`` may take the decode kernels here at all (shapes aside)."""
+    if impl not in IMPLS:
+        raise ValueError(f"decode kernels: unknown impl {impl!r}; expected one of {IMPLS}")
+    if impl == "xla" or has_context_mesh():
+        return False
+    return impl == "pallas" or jax.default_backend() == "gpu"
+
+
+def _shapes_allow(impl: str, name: str, why: str | None) -> bool:
+    if why is not None and impl == "pallas":
+        raise ValueError(f"{name}(impl='pallas'): {why}")
+    return why is None
+
+
+def _plain(linear: Linear, lora: bool) -> bool:
+    """No bias and no active adapter: the projection is ``x @ kernel`` alone."""
+    return linear.bias is None and not (lora and linear.lora_a is not None)
+
+
+def gate_up_silu(x: jax.Array, gate: jax.Array, up: jax.Array, *,
+                 impl: str = "auto") -> jax.Array | None:
+    """x ``[M, K]``, gate and up ``[K, F]`` -> the kernel's product ``[R >= M, F]`` (rows past M
+    to be dropped after the down projection), or None where XLA's ops should run instead."""
+    if not kernels_apply(impl) or not gate.dtype == up.dtype == x.dtype:
+        return None
+    if not _shapes_allow(impl, "gate_up_silu", kernel_limits(x.shape[0], *gate.shape, x.dtype)):
+        return None
+    return gate_up_silu_pallas(x, gate, up, interpret=jax.default_backend() != "gpu")
+
+
+def project_add_norm(linear: Linear, h: jax.Array, residual: jax.Array, norm_weight: jax.Array,
+                     eps: float, *, lora: bool = False,
+                     impl: str = "auto") -> tuple[jax.Array, jax.Array]:
+    """h ``[R >= M, K]`` (rows past M ignored), residual ``[M, N]`` -> ``x = residual +
+    linear(h)`` and ``rms_norm(x, norm_weight, eps)``, both ``[M, N]``: a GEMM leaving its
+    split-K partial sums and one kernel summing them into both outputs where the kernels
+    apply, else XLA's ops (the same roundings)."""
+    m = residual.shape[0]
+    w = linear.kernel[...]
+    if (kernels_apply(impl) and _plain(linear, lora) and w.dtype == linear.dtype
+            and _shapes_allow(impl, "project_add_norm",
+                              gemm_limits(h.shape[0], *w.shape, w.dtype))):
+        interpret = jax.default_backend() != "gpu"
+        parts = gemm_partials_pallas(h.astype(w.dtype), w, interpret=interpret)
+        return add_norm_pallas(parts, residual, norm_weight, eps=eps, interpret=interpret)
+    x = residual + linear(h, lora=lora)[:m].astype(residual.dtype)
+    return x, rms_norm(x, norm_weight, eps)
