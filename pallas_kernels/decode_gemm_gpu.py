@@ -9,7 +9,9 @@ layer (the O sum with the residual and the post-attention norm; the residual add
 recomputes the O sum beside the down sum; the next layer's input norm: 4.1 + 3.6 + 1.6 us a
 layer at 48 rows on an H100, BENCHMARKS.md rollout run I). Here they are two, each writing the
 residual and the normed input of the next matmul. The GEMM reads the weights as fast as XLA's
-autotuned one (run I: within ~5% at 19 and 48 rows on Qwen3-1.7B's shapes).
+autotuned one (run I: within ~5% at 19 and 48 rows on Qwen3-1.7B's shapes). The same GEMM
+takes the attention's q, k and v weights at once, its partial sums summed by the cache write's
+fused q/k kernel (:mod:`pallas_kernels.paged_append_gpu`) instead of a launch of their own.
 
 Rows are padded to ``R`` (a power of two, 16 at least: the matrix units' minimum) by masked
 loads; the partial sums keep them, and the add-norm kernel reads only the real rows.
@@ -81,59 +83,76 @@ def gemm_limits(m: int, k: int, n: int, dtype, block_n: int = BLOCK_N) -> str | 
     return None
 
 
-def _gemm_kernel(x_ref, w_ref, o_ref, *, rows, block_n, block_k, span):
-    """Grid (N / BN, S): x ``[M, K]`` (read as ``rows`` rows, zeros past M), w ``[K, N]`` ->
-    this program's partial sum over its K span into ``[S, rows, N]``."""
+def _gemm_kernel(x_ref, *refs, rows, block_n, block_k, span, starts):
+    """Grid (N / BN, S): x ``[M, K]`` (read as ``rows`` rows, zeros past M), weights ``[K, N_j]``
+    side by side (weight j's column blocks start at block ``starts[j]``) -> this program's
+    partial sum over its K span into ``[S, rows, sum N_j]``."""
+    *w_refs, o_ref = refs
     n, s = pl.program_id(0), pl.program_id(1)
     m = x_ref.shape[0]
     r = lax.broadcasted_iota(jnp.int32, (rows, block_k), 0)
     c = lax.broadcasted_iota(jnp.int32, (rows, block_k), 1)
     row = jnp.minimum(r, m - 1)
 
-    def body(i, acc):
-        k0 = s * span + i * block_k
-        x = plgpu.load(x_ref.at[row, k0 + c], mask=r < m, other=0)
-        w = w_ref[pl.ds(k0, block_k), pl.ds(n * block_n, block_n)]
-        return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
+    def product(w_ref, col):
+        def body(i, acc):
+            k0 = s * span + i * block_k
+            x = plgpu.load(x_ref.at[row, k0 + c], mask=r < m, other=0)
+            w = w_ref[pl.ds(k0, block_k), pl.ds(col, block_n)]
+            return acc + jnp.dot(x, w, preferred_element_type=jnp.float32)
 
-    acc = lax.fori_loop(0, span // block_k, body, jnp.zeros((rows, block_n), jnp.float32))
-    o_ref[s, :, pl.ds(n * block_n, block_n)] = acc
+        acc = lax.fori_loop(0, span // block_k, body, jnp.zeros((rows, block_n), jnp.float32))
+        o_ref[s, :, pl.ds(n * block_n, block_n)] = acc
+
+    if len(w_refs) == 1:
+        product(w_refs[0], n * block_n)
+        return
+    ends = (*starts[1:], None)
+    for w_ref, start, end in zip(w_refs, starts, ends):
+        inside = n >= start if end is None else (n >= start) & (n < end)
+        pl.when(inside)(lambda w_ref=w_ref, start=start: product(w_ref, (n - start) * block_n))
 
 
 @functools.partial(jax.jit, static_argnames=("splits", "block_n", "block_k", "num_warps",
                                              "num_stages", "interpret"))
-def gemm_partials_pallas(x: jax.Array, w: jax.Array, *, splits: int | None = None,
-                         block_n: int = BLOCK_N, block_k: int | None = None,
-                         num_warps: int = 4, num_stages: int | None = None,
-                         interpret: bool = False) -> jax.Array:
-    """x ``[M, K]``, w ``[K, N]`` in x's dtype (a cast here would copy the weights every call)
-    -> partial sums ``[S, padded_rows(M), N]`` float32 whose sum over S is ``x @ w`` (rows
-    past M zero). ``splits``: S (default :func:`default_splits`); the block sizes, warps and
-    stages are what scripts/bench_decode_gemm.py sweeps."""
+def gemm_partials_pallas(x: jax.Array, w: jax.Array | tuple[jax.Array, ...], *,
+                         splits: int | None = None, block_n: int = BLOCK_N,
+                         block_k: int | None = None, num_warps: int = 4,
+                         num_stages: int | None = None, interpret: bool = False) -> jax.Array:
+    """x ``[M, K]``, w ``[K, N]`` in x's dtype (a cast here would copy the weights every call),
+    or a tuple of such weights (the attention's q, k and v projections) read as their
+    concatenation ``[K, sum N_j]`` without building it -> partial sums ``[S, padded_rows(M),
+    N]`` float32 whose sum over S is ``x @ w`` (rows past M zero). ``splits``: S (default
+    :func:`default_splits`); the block sizes, warps and stages are what
+    scripts/bench_decode_gemm.py sweeps."""
+    ws = tuple(w) if isinstance(w, (tuple, list)) else (w,)
     m, k = x.shape
-    n = w.shape[1]
-    if w.shape[0] != k or w.dtype != x.dtype:
-        raise ValueError(f"gemm_partials_pallas: x {x.shape} {x.dtype} needs w [{k}, N] of its "
-                         f"dtype, got {w.shape} {w.dtype}")
-    why = gemm_limits(m, k, n, x.dtype, block_n)
-    if why is not None:
-        raise ValueError(f"gemm_partials_pallas: {why}")
+    widths = [a.shape[1] for a in ws]
+    n = sum(widths)
+    if any(a.shape[0] != k or a.dtype != x.dtype for a in ws):
+        raise ValueError(f"gemm_partials_pallas: x {x.shape} {x.dtype} needs weights [{k}, N] "
+                         f"of its dtype, got {[(a.shape, str(a.dtype)) for a in ws]}")
+    for width in widths:
+        why = gemm_limits(m, k, width, x.dtype, block_n)
+        if why is not None:
+            raise ValueError(f"gemm_partials_pallas: {why}")
     rows = padded_rows(m)
     block_k = block_k or default_block_k(x.dtype.itemsize)
     splits = splits or default_splits(k, n, block_n, block_k)
     if k % (splits * block_k):
         raise ValueError(f"gemm_partials_pallas: {splits} splits of K={k} are not whole "
                          f"{block_k}-deep steps")
+    starts = tuple(sum(widths[:j]) // block_n for j in range(len(ws)))
     tile_bytes = (rows * block_k + block_k * block_n) * x.dtype.itemsize
     return pl.pallas_call(
         functools.partial(_gemm_kernel, rows=rows, block_n=block_n, block_k=block_k,
-                          span=k // splits),
+                          span=k // splits, starts=starts),
         grid=(n // block_n, splits),
         out_shape=jax.ShapeDtypeStruct((splits, rows, n), jnp.float32),
         compiler_params=plgpu.CompilerParams(
             num_warps=num_warps, num_stages=num_stages or pipeline_stages(tile_bytes)),
         interpret=interpret, name="decode_gemm",
-    )(x, w)
+    )(x, *ws)
 
 
 def _add_norm_kernel(p_ref, res_ref, w_ref, x_ref, normed_ref, *, eps, width):

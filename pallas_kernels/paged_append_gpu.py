@@ -70,7 +70,18 @@ def _append_kernel(page_ref, slot_ref, k_ref, v_ref, sum_in, kp_in, vp_in, cent_
                  kp_ref, vp_ref, cent_ref, page_size=page_size)
 
 
-def _load_heads(qkv_ref, first, heads, weight_ref):
+def _load_projection(qkv_ref, head, col, dtype):
+    """This row's projections at ``[head, col]``: from ``[heads, D]``, or summed over the
+    split-K partials of ``[S, heads, D]`` float32 and rounded to ``dtype`` (as the projection
+    itself rounds its float32 sum)."""
+    if len(qkv_ref.shape) == 2:
+        return plgpu.load(qkv_ref.at[head, col])
+    split = jax.lax.broadcasted_iota(jnp.int32, (qkv_ref.shape[0], *head.shape), 0)
+    parts = plgpu.load(qkv_ref.at[split, head[None], col[None]])
+    return jnp.sum(parts, axis=0).astype(dtype)
+
+
+def _load_heads(qkv_ref, first, heads, weight_ref, dtype):
     """Heads ``first .. first+heads-1`` of this row's projections ``[heads, D]`` and their
     rotate-half partners (column ``c`` holds column ``(c + D/2) % D``: Triton cannot slice a
     block, so the partners are a second gathered load), with the norm's weight in both orders."""
@@ -78,7 +89,8 @@ def _load_heads(qkv_ref, first, heads, weight_ref):
     head = first + jax.lax.broadcasted_iota(jnp.int32, (heads, d), 0)
     col = jax.lax.broadcasted_iota(jnp.int32, (heads, d), 1)
     partner = (col + d // 2) % d
-    return (plgpu.load(qkv_ref.at[head, col]), plgpu.load(qkv_ref.at[head, partner]),
+    return (_load_projection(qkv_ref, head, col, dtype),
+            _load_projection(qkv_ref, head, partner, dtype),
             plgpu.load(weight_ref.at[col]), plgpu.load(weight_ref.at[partner]))
 
 
@@ -100,7 +112,8 @@ def _prep_heads(x, xp, w, wp, cos, sin, eps):
 def _prep_append_kernel(page_ref, slot_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref,
                         sum_in, kp_in, vp_in, cent_in,
                         q_ref, sum_ref, kp_ref, vp_ref, cent_ref, *, page_size, eps):
-    """Grid (B,): this row's projections ``qkv [Hq + 2 Hkv, D]`` (q heads, then k, then v);
+    """Grid (B,): this row's projections ``qkv [Hq + 2 Hkv, D]`` (q heads, then k, then v), or
+    their split-K partial sums ``[S, Hq + 2 Hkv, D]`` float32;
     q/k-norm weights ``[D]``; cos, sin ``[1, D]``; q out ``[Hq, D]``; the rest as
     :func:`_write_token`. Every load comes before any store: a load is not moved above a store
     that may alias it, and the first build, which loaded k after storing q, took 6.2 us a
@@ -108,10 +121,11 @@ def _prep_append_kernel(page_ref, slot_ref, qkv_ref, qw_ref, kw_ref, cos_ref, si
     del sum_in, kp_in, vp_in, cent_in
     hq, hk = q_ref.shape[0], kp_ref.shape[0]
     d = qkv_ref.shape[-1]
-    q_in = _load_heads(qkv_ref, 0, hq, qw_ref)
-    k_in = _load_heads(qkv_ref, hq, hk, kw_ref)
-    v = plgpu.load(qkv_ref.at[hq + hk + jax.lax.broadcasted_iota(jnp.int32, (hk, d), 0),
-                              jax.lax.broadcasted_iota(jnp.int32, (hk, d), 1)])
+    dt = q_ref.dtype
+    q_in = _load_heads(qkv_ref, 0, hq, qw_ref, dt)
+    k_in = _load_heads(qkv_ref, hq, hk, kw_ref, dt)
+    v = _load_projection(qkv_ref, hq + hk + jax.lax.broadcasted_iota(jnp.int32, (hk, d), 0),
+                         jax.lax.broadcasted_iota(jnp.int32, (hk, d), 1), dt)
     cos, sin, old_sum = cos_ref[...], sin_ref[...], sum_ref[...]
     page, slot = page_ref[0], slot_ref[0]
     q_ref[...] = _prep_heads(*q_in, cos, sin, eps)
@@ -148,23 +162,37 @@ def append_token_pallas(page, slot, k, v, partial_sum, k_pages, v_pages, centroi
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "page_size", "eps", "num_warps",
-                                            "interpret"))
+                                            "dtype", "interpret"))
 def prep_append_token_pallas(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum,
                              k_pages, v_pages, centroids, *, layer, page_size, eps,
-                             num_warps=PREP_WARPS, interpret=False):
+                             num_warps=None, dtype=None, interpret=False):
     """:func:`append_token_pallas` with q/k-norm and RoPE done in the same kernel.
 
     qkv ``[B, Hq + 2 Hkv, D]``: each row's projected queries, keys and values, as the
-    projections give them; q_weight, k_weight ``[D]`` the norms' weights; cos, sin ``[B, D]``
+    projections give them; or, where ``dtype`` is given (the projections' own: the sums are
+    rounded to it, as the projections round theirs, and q comes out in it), their split-K
+    partial sums ``[S, R >= B, (Hq + 2 Hkv) * D]`` float32 as
+    :func:`pallas_kernels.decode_gemm_gpu.gemm_partials_pallas` leaves them, so that their sum
+    is not a launch of its own;
+    q_weight, k_weight ``[D]`` the norms' weights; cos, sin ``[B, D]``
     float32 (this token's angles); the rest as :func:`append_token_pallas`. -> (q ``[B, Hq, D]``
     normed and rotated, then the four cache arrays as there). The keys written are normed and
-    rotated. ``num_warps``: a program's warps (scripts/bench_prep_append.py sweeps them)."""
-    b, heads, d = qkv.shape
-    hk = k_pages.shape[0]
+    rotated. ``num_warps``: a program's warps (scripts/bench_prep_append.py sweeps them;
+    default :data:`PREP_WARPS`, twice that for partial sums, whose tiles at 2 warps spill)."""
+    hk, num_pages, _, d = k_pages.shape
+    b = page.shape[0]
+    if dtype is None:
+        heads, dtype = qkv.shape[1], qkv.dtype
+        whole_row = pl.BlockSpec((None, heads, d), lambda i: (i, 0, 0))
+    else:
+        splits, heads = qkv.shape[0], qkv.shape[2] // d
+        if qkv.dtype != jnp.float32 or qkv.shape[1] < b:
+            raise ValueError(f"prep_append_token_pallas: partial sums are float32 [S, R >= {b}, "
+                             f"heads * {d}], got {qkv.shape} {qkv.dtype}")
+        qkv = qkv.reshape(splits, qkv.shape[1], heads, d)      # free: a view of the same rows
+        whole_row = pl.BlockSpec((splits, None, heads, d), lambda i: (0, i, 0, 0))
     hq = heads - 2 * hk
-    num_pages = k_pages.shape[1]
     row = pl.BlockSpec((1,), lambda i: (i,))
-    whole_row = pl.BlockSpec((None, heads, d), lambda i: (i, 0, 0))
     weight = pl.BlockSpec((d,), lambda i: (0,))
     angle = pl.BlockSpec((1, d), lambda i: (i, 0))
     q_out = pl.BlockSpec((None, hq, d), lambda i: (i, 0, 0))
@@ -176,10 +204,11 @@ def prep_append_token_pallas(page, slot, qkv, q_weight, k_weight, cos, sin, part
         grid=(b,),
         in_specs=[row, row, whole_row, weight, weight, angle, angle, sums, pages, pages, cents],
         out_specs=[q_out, sums, pages, pages, cents],
-        out_shape=[jax.ShapeDtypeStruct((b, hq, d), qkv.dtype)]
+        out_shape=[jax.ShapeDtypeStruct((b, hq, d), dtype)]
         + [jax.ShapeDtypeStruct(a.shape, a.dtype)
            for a in (partial_sum, k_pages, v_pages, centroids)],
         input_output_aliases={7: 1, 8: 2, 9: 3, 10: 4},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        compiler_params=plgpu.CompilerParams(
+            num_warps=num_warps or PREP_WARPS * (1 if qkv.ndim == 3 else 2), num_stages=1),
         interpret=interpret, name="paged_prep_append",
     )(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum, k_pages, v_pages, centroids)

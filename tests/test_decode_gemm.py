@@ -152,8 +152,9 @@ def _counting(monkeypatch, names):
 
 @pytest.mark.parametrize("lora", [False, True])
 def test_model_decode_form_matches_the_general_forward(monkeypatch, lora):
-    """Every decode kernel in every layer (the O and down projections each a GEMM and an
-    add-norm, the gate-up pair one kernel); none where a LoRA sits on the projection."""
+    """Every decode kernel in every layer (q, k and v one GEMM, the O and down projections each a
+    GEMM and an add-norm, the gate-up pair one kernel); none where a LoRA sits on the
+    projection."""
     calls = _counting(monkeypatch, ["gate_up_silu_pallas", "gemm_partials_pallas",
                                     "add_norm_pallas"])
     cfg = ModelConfig.preset("tiny")
@@ -169,7 +170,7 @@ def test_model_decode_form_matches_the_general_forward(monkeypatch, lora):
                            decode_kernels="pallas")
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
     layers = 0 if lora else cfg.num_hidden_layers
-    assert calls == {"gate_up_silu_pallas": layers, "gemm_partials_pallas": 2 * layers,
+    assert calls == {"gate_up_silu_pallas": layers, "gemm_partials_pallas": 3 * layers,
                      "add_norm_pallas": 2 * layers}
 
 

@@ -132,6 +132,23 @@ def prep_append_step(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent):
                                     layer=3, page_size=16, eps=1e-6)
 
 
+def qkv_shapes(*, hq=16, h=8, d=128, hidden=2048, **kw):
+    """The decode step's attention input: the normed hidden rows and the q, k, v weights, then
+    :func:`prep_append_shapes`' arguments after the projections."""
+    page, slot, qkv, *rest = prep_append_shapes(hq=hq, h=h, d=d, **kw)
+    b = page.shape[0]
+    return [jax.ShapeDtypeStruct((b, hidden), jnp.bfloat16),
+            *[jax.ShapeDtypeStruct((hidden, n * d), jnp.bfloat16) for n in (hq, h, h)],
+            page, slot, *rest]
+
+
+def qkv_step(x, wq, wk, wv, page, slot, qw, kw, cos, sin, sums, kp, vp, cent):
+    """One GEMM for the three projections, its partial sums into the fused q/k kernel."""
+    return prep_append_token_pallas(page, slot, gemm_partials_pallas(x, (wq, wk, wv)), qw, kw,
+                                    cos, sin, sums, kp, vp, cent, layer=3, page_size=16,
+                                    eps=1e-6, dtype=jnp.bfloat16)
+
+
 def gate_up_shapes(*, m=19, k=2048, f=6144, dtype=jnp.bfloat16):
     """Qwen3-1.7B's MLP input half at the rollout's 19 rows: x, gate, up."""
     return [jax.ShapeDtypeStruct(s, dtype) for s in [(m, k), (k, f), (k, f)]]
@@ -175,6 +192,8 @@ def test_paged_append_lowers_for_h100():
 def test_fused_prep_and_append_lowers_for_h100(hq):
     assert triton_kernels(prep_append_step, *prep_append_shapes(hq=hq, pages=1000)) == [
         "paged_prep_append"]
+    assert triton_kernels(qkv_step, *qkv_shapes(hq=hq, pages=1000)) == [
+        "decode_gemm", "paged_prep_append"]
 
 
 def test_an_unlowerable_kernel_fails_here():
@@ -289,10 +308,12 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch,
     (append_step, append_shapes, "paged_append"),
     (prep_append_step, prep_append_shapes, "paged_prep_append"),
     (gate_up_step, gate_up_shapes, "decode_gate_up_silu"),
-    (residual_step, residual_shapes, "decode_gemm decode_add_norm")])
+    (residual_step, residual_shapes, "decode_gemm decode_add_norm"),
+    (qkv_step, qkv_shapes, "decode_gemm paged_prep_append")])
 def test_kernels_compile_for_hopper_without_spills(fn, shapes, name, tmp_path, monkeypatch):
     """Dense decode attention, the cache write (alone, and with q/k-norm and RoPE), the MLP's
-    gate-up kernel and the residual projection's two at the rollout's shapes."""
+    gate-up kernel, the residual projection's two and the q, k, v GEMM into the fused q/k
+    kernel at the rollout's shapes."""
     report = ptxas_report(fn, *shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == name.split()
     assert fits_h100(report), report

@@ -51,10 +51,12 @@ def test_prep_matches_float64_numpy():
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
 def test_fused_kernel_matches_the_xla_path(q_heads, dtype):
     """The steps of ``write_steps``: the kernel's q and every cache array against QKPrep + the
-    XLA scatters."""
+    XLA scatters; and the kernel handed the projections as split-K partial sums (the decode
+    GEMM's) bit for bit against the kernel handed their sum."""
     cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
                       num_attention_heads=q_heads, num_key_value_heads=2, head_dim=8)
     caches, steps = write_steps(cfg, dtype)
+    caches["partials"] = caches["pallas"]
     rng = np.random.default_rng(5)
     # bfloat16: the two paths may round a product differently (one ulp at the normed values'
     # scale of ~1).
@@ -68,11 +70,29 @@ def test_fused_kernel_matches_the_xla_path(q_heads, dtype):
         for impl in caches:
             for layer in range(2):
                 outs[impl], caches[impl] = prep_and_append_token(
-                    caches[impl], layer, q, k, v, pos, active, prep, impl=impl)
+                    caches[impl], layer, q, k, v, pos, active,
+                    prep.replace(partials=_partials(rng, q, k, v)) if impl == "partials"
+                    else prep, impl="xla" if impl == "xla" else "pallas")
         np.testing.assert_allclose(np.asarray(outs["pallas"], np.float32),
                                    np.asarray(outs["xla"], np.float32), **tol)
+        np.testing.assert_array_equal(np.asarray(outs["partials"], np.float32),
+                                      np.asarray(outs["pallas"], np.float32))
     for a, c in zip(jax.tree.leaves(caches["xla"]), jax.tree.leaves(caches["pallas"])):
         np.testing.assert_allclose(np.asarray(a, np.float32), np.asarray(c, np.float32), **tol)
+    for a, c in zip(jax.tree.leaves(caches["partials"]), jax.tree.leaves(caches["pallas"])):
+        np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(c, np.float32))
+
+
+def _partials(rng, q, k, v, rows=16):
+    """q, k, v ``[B, H, D]`` as the decode GEMM would hand them: two float32 partial sums
+    ``[2, rows, (Hq + 2 Hkv) * D]`` adding up to them exactly (each value's bfloat16 head, then
+    the rest), garbage in the rows past B (the kernel must read only its own row)."""
+    b = q.shape[0]
+    qkv = jnp.concatenate([q, k, v], axis=1).reshape(b, -1).astype(jnp.float32)
+    head = qkv.astype(jnp.bfloat16).astype(jnp.float32)
+    parts = jnp.stack([head, qkv - head])
+    junk = jnp.asarray(rng.normal(size=(2, rows - b, qkv.shape[1])), jnp.float32)
+    return jnp.concatenate([parts, junk], axis=1)
 
 
 def test_fused_kernel_needs_power_of_two_query_heads():

@@ -46,6 +46,8 @@ def _head_sharded(attend, axis: str | None):
         return attend
 
     def sharded(layer, q, k, v, cache, **kwargs):
+        if kwargs.get("prep") is not None:      # every head's partial sums: not this shard's
+            kwargs["prep"] = kwargs["prep"].replace(partials=None)
         shards, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
         hk, hq = k.shape[2] // shards, q.shape[2] // shards
         out, cache = attend(layer, jax.lax.dynamic_slice_in_dim(q, me * hq, hq, axis=2),

@@ -183,15 +183,20 @@ def prep_and_append_token(cache: PagedKVCache, layer: int, q: jax.Array, k: jax.
     rotated, the cache after :func:`append_token` of k normed and rotated, and v).
 
     With the kernel (``impl`` as :func:`append_token`; it also needs power-of-two query heads)
-    the norms, RoPE and the write are one launch a layer instead of six; without it ``prep``
-    runs as XLA ops and the write as :func:`append_token` with ``impl``."""
+    the norms, RoPE and the write are one launch a layer instead of six (and it sums
+    ``prep.partials`` itself where the decode GEMM left them); without it ``prep`` runs as XLA
+    ops and the write as :func:`append_token` with ``impl``."""
     if _append_impl(impl, cache, q_heads=q.shape[1]) == "pallas":
-        qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+        if prep.partials is not None:
+            qkv, dtype = prep.partials, q.dtype
+        else:
+            qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
+            dtype = None
         q, sums, kp, vp, cent = prep_append_token_pallas(
             *_page_slot(cache, pos, write), qkv, prep.q_weight, prep.k_weight, prep.cos[:, 0],
             prep.sin[:, 0], cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
             cache.centroids[layer], layer=layer, page_size=cache.page_size, eps=prep.eps,
-            interpret=jax.default_backend() != "gpu")
+            dtype=dtype, interpret=jax.default_backend() != "gpu")
         return q, cache.replace(k_pages=_set(cache.k_pages, layer, kp),
                                 v_pages=_set(cache.v_pages, layer, vp),
                                 centroids=_set(cache.centroids, layer, cent), partial_sum=sums)

@@ -1,7 +1,8 @@
 """Which way the decode step's matmuls run: the Pallas kernels of
 :mod:`pallas_kernels.decode_mlp_gpu` (``silu(x @ gate) * (x @ up)`` in one launch) and
 :mod:`pallas_kernels.decode_gemm_gpu` (a projection back into the residual stream with the
-residual add and the next RMSNorm in two) on a GPU, XLA's ops elsewhere.
+residual add and the next RMSNorm in two; the q, k and v projections' partial sums, which the
+cache write's kernel sums) on a GPU, XLA's ops elsewhere.
 
 ``impl``: "auto" takes the kernels on a GPU where they apply; "pallas" wherever they apply
 (Pallas' interpreter off a GPU: tests) and raises where their shapes rule them out; "xla"
@@ -52,6 +53,22 @@ def gate_up_silu(x: jax.Array, gate: jax.Array, up: jax.Array, *,
     if not _shapes_allow(impl, "gate_up_silu", kernel_limits(x.shape[0], *gate.shape, x.dtype)):
         return None
     return gate_up_silu_pallas(x, gate, up, interpret=jax.default_backend() != "gpu")
+
+
+def qkv_partials(x: jax.Array, linears: tuple[Linear, ...], *, lora: bool = False,
+                 impl: str = "auto") -> jax.Array | None:
+    """x ``[M, hidden]``, the attention's q, k and v projections -> their split-K partial sums
+    ``[S, R >= M, sum N]`` float32 from one GEMM (the cache write sums them: the q/k kernel of
+    :mod:`pallas_kernels.paged_append_gpu`), or None where XLA's ops should run instead."""
+    ws = [lin.kernel[...] for lin in linears]
+    if not (kernels_apply(impl) and all(_plain(lin, lora) for lin in linears)
+            and all(w.dtype == lin.dtype for w, lin in zip(ws, linears))):
+        return None
+    for w in ws:
+        if not _shapes_allow(impl, "qkv_partials", gemm_limits(x.shape[0], *w.shape, w.dtype)):
+            return None
+    return gemm_partials_pallas(x.astype(ws[0].dtype), tuple(ws),
+                                interpret=jax.default_backend() != "gpu")
 
 
 def project_add_norm(linear: Linear, h: jax.Array, residual: jax.Array, norm_weight: jax.Array,

@@ -26,13 +26,20 @@ def rms_norm(x: jax.Array, weight: jax.Array, eps: float) -> jax.Array:
 
 @struct.dataclass
 class QKPrep:
-    """q/k-norm weights ``[D]`` and RoPE's cos/sin ``[B, T, D]`` (float32) of one layer."""
+    """q/k-norm weights ``[D]`` and RoPE's cos/sin ``[B, T, D]`` (float32) of one layer.
+
+    ``partials``: in the decode form on a GPU, the q, k and v projections' split-K partial
+    sums ``[S, R >= B, (Hq + 2 Hkv) * D]`` float32, whose sum (rounded to the compute dtype) is
+    the q, k, v handed beside this: a cache write that takes them
+    (:func:`sparrow_jax.attention.paged_cache.prep_and_append_token`) spares the launch that
+    sums them, and XLA drops q, k, v when nothing else reads them. None elsewhere."""
 
     q_weight: jax.Array
     k_weight: jax.Array
     cos: jax.Array
     sin: jax.Array
     eps: float = struct.field(pytree_node=False)
+    partials: jax.Array | None = None
 
     def __call__(self, q: jax.Array, k: jax.Array) -> tuple[jax.Array, jax.Array]:
         """q ``[B, T, Hq, D]``, k ``[B, T, Hkv, D]`` as projected -> both normed and rotated."""

@@ -23,7 +23,8 @@ from flax import nnx
 from sparrow_jax.attention.dense import causal_attend
 from sparrow_jax.attention.selection import SAVED_NAME
 from sparrow_jax.config import ModelConfig
-from sparrow_jax.models.decode_kernels import gate_up_silu, kernels_apply, project_add_norm
+from sparrow_jax.models.decode_kernels import (gate_up_silu, kernels_apply, project_add_norm,
+                                              qkv_partials)
 from sparrow_jax.models.lora import Linear
 from sparrow_jax.models.qk_prep import QKPrep, rms_norm
 from sparrow_jax.models.rope import rope_angles
@@ -66,14 +67,21 @@ class Attention(nnx.Module):
         """x ``[B, T, hidden]`` (normed) -> (the heads' attention ``[B, T, Hq * D]`` in x's
         dtype, before the O projection; state)."""
         b, t, _ = x.shape
-        q = constrain(self.q_proj(x, lora=lora).reshape(b, t, self.num_heads, self.head_dim),
-                      "BTHK")
-        k = constrain(self.k_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim),
-                      "BTHK")
-        v = constrain(self.v_proj(x, lora=lora).reshape(b, t, self.num_kv_heads, self.head_dim),
-                      "BTHK")
+        parts = None if decode_kernels is None else qkv_partials(
+            x.reshape(b * t, -1), (self.q_proj, self.k_proj, self.v_proj), lora=lora,
+            impl=decode_kernels)
+        if parts is None:
+            q, k, v = (self.q_proj(x, lora=lora), self.k_proj(x, lora=lora),
+                       self.v_proj(x, lora=lora))
+        else:       # the sums XLA computes only for an attend that reads them
+            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            q, k, v = jnp.split(jnp.sum(parts[:, :b * t], axis=0).astype(self.q_proj.dtype),
+                                [nq, nq + nk], axis=-1)
+        q = constrain(q.reshape(b, t, self.num_heads, self.head_dim), "BTHK")
+        k = constrain(k.reshape(b, t, self.num_kv_heads, self.head_dim), "BTHK")
+        v = constrain(v.reshape(b, t, self.num_kv_heads, self.head_dim), "BTHK")
         prep = QKPrep(self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
-                      eps=self.q_norm.eps)
+                      eps=self.q_norm.eps, partials=parts)
         if decode_kernels is not None:
             out, state = attend(layer, q, k, v, state, prep=prep)
         else:
