@@ -1,12 +1,16 @@
-"""Probe: the decode step's weight matmuls (a few rows times a whole weight matrix) as a Pallas
-kernel writing split-K partial sums, against XLA's own GEMM, on Qwen3-1.7B's four shapes.
+"""Probe: the decode step's weight matmuls (a few rows times a whole weight matrix) as the Pallas
+GEMM of pallas_kernels/decode_gemm_gpu.py (split-K partial sums in float32) against XLA's own
+GEMM on Qwen3-1.7B's four shapes; the gate-up pair with SiLU x up as one kernel
+(pallas_kernels/decode_mlp_gpu.py); the add-norm kernel (residual add + RMSNorm over a
+projection's partial sums) against XLA's ops.
 
-Question it answers: can a Pallas GEMM whose partial sums our own kernels consume (so that the
-residual add, the norms, SiLU x up and the q/k preparation take them directly instead of XLA's
-separate reduction fusions) read the weights as fast as XLA's autotuned split-K GEMM? Each
-variant runs ``--chain`` times in one loop, each call's input the previous call's output (the
-sum of the partials, sliced or tiled to the input's width), and the device time a call is read
-from a profiler trace (CUDA graphs off): GEMM plus that consumer, for both.
+Question it answered first (rollout run I): can a Pallas GEMM whose partial sums our own
+kernels consume (so that the residual add, the norms, SiLU x up and the q/k preparation take
+them directly instead of XLA's separate reduction fusions) read the weights as fast as XLA's
+autotuned split-K GEMM? Each variant runs ``--chain`` times in one loop, each call's input the
+previous call's output (the sum of the partials, sliced or tiled to the input's width), and the
+device time a call is read from a profiler trace (CUDA graphs off): GEMM plus that consumer,
+for both.
 
     PYTHONPATH=. python3 scripts/bench_decode_gemm.py --out $OUT/decode_gemm.json
 """
