@@ -44,15 +44,19 @@ def _plain(linear: Linear, lora: bool) -> bool:
     return linear.bias is None and not (lora and linear.lora_a is not None)
 
 
-def gate_up_silu(x: jax.Array, gate: jax.Array, up: jax.Array, *,
+def gate_up_silu(x: jax.Array, gate: Linear, up: Linear, *, lora: bool = False,
                  impl: str = "auto") -> jax.Array | None:
-    """x ``[M, K]``, gate and up ``[K, F]`` -> the kernel's product ``[R >= M, F]`` (rows past M
-    to be dropped after the down projection), or None where XLA's ops should run instead."""
-    if not kernels_apply(impl) or not gate.dtype == up.dtype == x.dtype:
+    """x ``[M, hidden]``, the MLP's gate and up projections -> ``silu(gate(x)) * up(x)``
+    ``[R >= M, F]`` from one kernel (rows past M to be dropped after the down projection), or
+    None where XLA's ops should run instead."""
+    wg, wu = gate.kernel[...], up.kernel[...]
+    if not (kernels_apply(impl) and _plain(gate, lora) and _plain(up, lora)
+            and wg.dtype == gate.dtype and wu.dtype == up.dtype == wg.dtype):
         return None
-    if not _shapes_allow(impl, "gate_up_silu", kernel_limits(x.shape[0], *gate.shape, x.dtype)):
+    if not _shapes_allow(impl, "gate_up_silu", kernel_limits(x.shape[0], *wg.shape, wg.dtype)):
         return None
-    return gate_up_silu_pallas(x, gate, up, interpret=jax.default_backend() != "gpu")
+    return gate_up_silu_pallas(x.astype(wg.dtype), wg, wu,
+                               interpret=jax.default_backend() != "gpu")
 
 
 def qkv_partials(x: jax.Array, linears: tuple[Linear, ...], *, lora: bool = False,

@@ -105,12 +105,9 @@ class MLP(nnx.Module):
         """The decode form's ``silu(gate(x)) * up(x)`` for x ``[M, hidden]``: ``[R >= M, F]``
         (the gate-up kernel pads rows; the caller drops them after the down projection)."""
         g, u = self.gate_proj, self.up_proj
-        if g.bias is None and u.bias is None and not (
-                lora and (g.lora_a is not None or u.lora_a is not None)):
-            act = gate_up_silu(x.astype(g.dtype), g.kernel[...], u.kernel[...],
-                               impl=decode_kernels)
-            if act is not None:
-                return act
+        act = gate_up_silu(x, g, u, lora=lora, impl=decode_kernels)
+        if act is not None:
+            return act
         return jax.nn.silu(g(x, lora=lora)) * u(x, lora=lora)
 
     def __call__(self, x, lora: bool):
