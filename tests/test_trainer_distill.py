@@ -30,8 +30,10 @@ STEPS = 4
 def _cfg(run_dir, enabled=True, **over):
     cfg = {
         "run_dir": str(run_dir), "steps": STEPS, "seed": 0, "reward": "reverse",
+        # float32 on every backend: the checks below are float32's (bit-equal updates, log-probs
+        # within 2e-5), where "auto" would compute in bfloat16 on a GPU.
         "model": {"hf_config": {**ModelConfig.preset("tiny").to_hf_dict(), "vocab_size": 24,
-                                "num_hidden_layers": 2}},
+                                "num_hidden_layers": 2}, "dtype": "float32"},
         "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 6, "max_len": 8},
                  "num_train": 16, "num_eval": 2, "prompts_per_step": 2},
         "rollout": {"samples_per_prompt": 2, "max_new_tokens": 10,
