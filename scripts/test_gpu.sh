@@ -27,10 +27,7 @@ tpu=$(ls tests/test_*tpu*.py)
 case $part in
   kernels) files=$kernels ;;
   models) files=$models ;;
-  # Training as `sparrow train` runs it: XLA's scatter-adds in a fixed order, without which the
-  # embedding's gradient (atomic adds) breaks the bit-for-bit resume checks (sparrow_jax/determinism.py).
-  train) files=$train
-    export XLA_FLAGS="${XLA_FLAGS:-} --xla_gpu_enable_scatter_determinism_expander=true" ;;
+  train) files=$train ;;
   # The TPU kernels in interpret mode and their TPU exports are host work: on the CPU backend,
   # as in CI (`impl="auto"` traced on a GPU backend holds the GPU kernels, which cannot lower
   # for TPU; export for TPU from a CPU host).

@@ -3,8 +3,6 @@ dispatch of the not-yet-implemented subcommands, and clear errors."""
 
 from __future__ import annotations
 
-import os
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -115,7 +113,7 @@ def test_sparse_schedule_and_samples(capsys, tmp_path):
     assert rc == 2 and "pages of 4 tokens" in err
 
 
-def test_train_then_plot(capsys, tmp_path, monkeypatch):
+def test_train_then_plot(capsys, tmp_path):
     """``sparrow train`` with the real engine (sparse past layer 0), then ``sparrow plot``."""
     import yaml
 
@@ -135,14 +133,9 @@ def test_train_then_plot(capsys, tmp_path, monkeypatch):
     }
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
-    monkeypatch.setenv("XLA_FLAGS", "--xla_force_host_platform_device_count=1")
     rc, out, err = _run(capsys, "train", "--config", str(path))
     assert rc == 0, err
     assert "done: 2 steps" in out
-    # sparrow train asks XLA for deterministic scatters (GPU resume bit for bit), keeping the
-    # flags it was given.
-    assert os.environ["XLA_FLAGS"].split() == [
-        "--xla_force_host_platform_device_count=1", "--xla_gpu_enable_scatter_determinism_expander=true"]
     lines = (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()
     assert len(lines) == 2
     rc, out, err = _run(capsys, "plot", str(tmp_path / "run"))

@@ -1,29 +1,32 @@
-"""XLA's deterministic scatter flag for GPU training (sparrow_jax/determinism.py): added to
-XLA_FLAGS unless named there already, and the note a GPU run without it prints."""
+"""The gradient jits' compile option (sparrow_jax/determinism.py): a name XLA accepts (a
+misspelt option fails the compile), which the training steps' jits carry. Whether it makes a
+GPU run's resume bit for bit is the GPU lane's (scripts/test_gpu.sh train: the trainer's resume
+tests)."""
 
-from sparrow_jax.determinism import SCATTER_FLAG, enable_deterministic_scatter, scatter_warning
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
 
-
-def test_the_flag_is_added_once_and_a_users_choice_stands():
-    env = {}
-    assert enable_deterministic_scatter(env)
-    assert env["XLA_FLAGS"] == f"{SCATTER_FLAG}=true"
-    assert not enable_deterministic_scatter(env)            # already there: unchanged
-    assert env["XLA_FLAGS"] == f"{SCATTER_FLAG}=true"
-    env = {"XLA_FLAGS": "--xla_gpu_enable_command_buffer="}
-    assert enable_deterministic_scatter(env)
-    assert env["XLA_FLAGS"] == f"--xla_gpu_enable_command_buffer= {SCATTER_FLAG}=true"
-    for own in (f"{SCATTER_FLAG}=false", SCATTER_FLAG):     # the user's own setting
-        env = {"XLA_FLAGS": f"--a=1 {own}"}
-        assert not enable_deterministic_scatter(env) and env["XLA_FLAGS"] == f"--a=1 {own}"
-    # A longer flag that starts with the same letters is not this one.
-    env = {"XLA_FLAGS": f"{SCATTER_FLAG}_other=1"}
-    assert enable_deterministic_scatter(env)
-    assert env["XLA_FLAGS"].split() == [f"{SCATTER_FLAG}_other=1", f"{SCATTER_FLAG}=true"]
+from sparrow_jax.determinism import DETERMINISTIC_SCATTER
 
 
-def test_only_a_gpu_run_without_the_flag_is_warned():
-    assert SCATTER_FLAG in scatter_warning("gpu", {})
-    assert scatter_warning("gpu", {"XLA_FLAGS": f"{SCATTER_FLAG}=true"}) is None
-    assert scatter_warning("gpu", {"XLA_FLAGS": f"{SCATTER_FLAG}=false"}) is None  # chosen
-    assert scatter_warning("cpu", {}) is None and scatter_warning("tpu", {}) is None
+def test_xla_accepts_the_option_and_the_embedding_gradient_is_the_scatter_sum():
+    grad = jax.jit(jax.grad(lambda e, i: jnp.sum(e[i] ** 2)),
+                   compiler_options=DETERMINISTIC_SCATTER)
+    table = jnp.arange(12.0).reshape(4, 3)
+    got = np.asarray(grad(table, jnp.array([1, 1, 3])))
+    want = np.zeros((4, 3))
+    want[1] = 2 * 2 * np.arange(3.0, 6.0)        # row 1 taken twice
+    want[3] = 2 * np.arange(9.0, 12.0)
+    np.testing.assert_array_equal(got, want)
+    with pytest.raises(Exception, match="No such compile option"):
+        jax.jit(lambda x: x, compiler_options={"xla_gpu_no_such_option": True})(1.0)
+
+
+def test_the_gradient_jits_carry_it():
+    from sparrow_jax.rl import distill, update
+
+    source = {m.__name__: open(m.__file__).read() for m in (update, distill)}
+    for name, text in source.items():
+        assert "compiler_options=DETERMINISTIC_SCATTER" in text, name

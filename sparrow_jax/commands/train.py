@@ -50,9 +50,6 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None or args.chip is not None:
         raise CliError("--devices and --chip go with --dry-run")
 
-    from sparrow_jax.determinism import enable_deterministic_scatter
-
-    enable_deterministic_scatter()      # before JAX's backend starts: resume is then bit for bit
     from sparrow_jax.dry_run import load_run_file
     from sparrow_jax.rl.interrupt import TrainingInterrupted
     from sparrow_jax.rl.trainer import train

@@ -32,6 +32,7 @@ import optax
 from flax import nnx
 
 from sparrow_jax import sharding
+from sparrow_jax.determinism import DETERMINISTIC_SCATTER
 from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
 from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.models.lora import LoRAParam
@@ -184,7 +185,8 @@ _STATIC = ("response_capacity", "temperature", "rule", "loss_config", "lambda_kl
            "chunk_size", "fused", "remat")
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=_STATIC)
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=_STATIC,
+                   compiler_options=DETERMINISTIC_SCATTER)     # bit-exact resume on a GPU
 def _micro_grads(graphdef, lora, rest, tokens, prompt_lengths, budget_pages, mask, logp_old,
                  logp_sparse, logp_dense, advantages, num_tokens, *, response_capacity,
                  temperature, rule, loss_config, lambda_kl, chunk_size, fused, remat):

@@ -44,7 +44,6 @@ import contextlib
 import dataclasses
 import functools
 import signal
-import sys
 from pathlib import Path
 from typing import Any, Callable, NamedTuple
 
@@ -56,7 +55,6 @@ from flax import nnx
 from sparrow_jax import distributed, sharding
 from sparrow_jax.config import ConfigError, to_dict
 from sparrow_jax.data import PromptIterator, build_eval_sets, build_prompt_sets, evaluate_mean_at_k
-from sparrow_jax.determinism import scatter_warning
 from sparrow_jax.rl import closed_loop
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
@@ -562,9 +560,6 @@ def train(config: TrainConfig, *, resume: bool = False, overwrite: bool = False,
     Raises :class:`~sparrow_jax.rl.interrupt.TrainingInterrupted` after saving, on
     SIGINT/SIGTERM."""
     prepare_run(config, resume=resume, overwrite=overwrite)
-    note = scatter_warning(jax.default_backend())
-    if note and distributed.is_primary():
-        print(note, file=sys.stderr)
     return Trainer(config, rollout_fn).run(resume=resume)
 
 

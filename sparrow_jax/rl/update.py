@@ -32,6 +32,7 @@ from flax import nnx
 
 from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax import sharding
+from sparrow_jax.determinism import DETERMINISTIC_SCATTER
 from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import grpo_loss
@@ -82,8 +83,10 @@ def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
     return graphdef, params, rest
 
 
+# Scatter-adds in a fixed order (the embedding's gradient): bit-exact resume on a GPU.
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=(
-    "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k", "remat"))
+    "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k", "remat"),
+    compiler_options=DETERMINISTIC_SCATTER)
 def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old, logp_sparse,
                  advantages, actor_topk_ids, num_tokens, *, response_capacity, temperature,
                  loss_config, chunk_size, fused_top_k, remat):
