@@ -3,6 +3,8 @@ misspelt option fails the compile), which the training steps' jits carry. Whethe
 GPU run's resume bit for bit is the GPU lane's (scripts/test_gpu.sh train: the trainer's resume
 tests)."""
 
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -27,6 +29,6 @@ def test_xla_accepts_the_option_and_the_embedding_gradient_is_the_scatter_sum():
 def test_the_gradient_jits_carry_it():
     from sparrow_jax.rl import distill, update
 
-    source = {m.__name__: open(m.__file__).read() for m in (update, distill)}
-    for name, text in source.items():
-        assert "compiler_options=DETERMINISTIC_SCATTER" in text, name
+    for module in (update, distill):
+        text = Path(module.__file__).read_text()
+        assert "compiler_options=DETERMINISTIC_SCATTER" in text, module.__name__
