@@ -291,6 +291,9 @@ def main(argv=None):
                     help="also trace each kernel variant's chained calls once: its device time "
                          "per call by kernel (CUDA graphs off for the whole run, as in "
                          "scripts/profile_step.py: compare times within the run)")
+    ap.add_argument("--loops", nargs="+", choices=("fori", "unrolled"), default=["fori"],
+                    help="how the chained calls are timed: an XLA while loop (its own "
+                         "per-iteration cost in each call) and/or written out in one program")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -421,27 +424,32 @@ def main(argv=None):
                             print(f"{name} ctx={ctx} b={b}: rel err {err:.1e}; page sets differ "
                                   f"from the reference in {nbad}/{rows_} rows, largest relative "
                                   f"score gap {gap:.1e}", flush=True)
-                    run = chained(fn, args.chain)
-                    t = median_seconds(run, fn_args, args.repeats) / args.chain
+                    runs = {loop: chained(fn, args.chain, unroll=loop == "unrolled")
+                            for loop in args.loops}
+                    times = {loop: median_seconds(run, fn_args, args.repeats) / args.chain
+                             for loop, run in runs.items()}
                 except Exception as e:  # a variant that fails to build is a result too
                     msg = f"{type(e).__name__}: {e}"
                     print(f"{name} ctx={ctx} b={b}: FAILED {msg[:2000]}", flush=True)
                     rows.append(dict(impl=name, context=ctx, batch=b, error=msg[:2000]))
                     continue
-                row = dict(impl=name.split("@")[0],
-                           budget_tokens=bt or (int(name.split("@")[1]) if "@" in name else None),
-                           context=ctx, batch=b,
-                           ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
-                           frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
-                if args.trace and name.startswith("kernel_"):
-                    lines = profile_calls(run, fn_args, args.chain)
-                    busiest = max(lines.values(), key=lambda entry: entry["total_us"])
-                    row["device_us"] = busiest
-                    print(f"{name} ctx={ctx} b={b}: device {busiest['total_us']:.1f} us a call: "
-                          + ", ".join(f"{e['name'][:40]} {e['us']:.1f}"
-                                      for e in busiest["top"]), flush=True)
-                rows.append(row)
-                print(json.dumps(row), flush=True)
+                for loop, t in times.items():
+                    row = dict(impl=name.split("@")[0],
+                               budget_tokens=bt or (int(name.split("@")[1]) if "@" in name
+                                                    else None),
+                               context=ctx, batch=b, loop=loop,
+                               ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
+                               frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
+                    if args.trace and name.startswith("kernel_"):
+                        lines = profile_calls(runs[loop], fn_args, args.chain)
+                        busiest = max(lines.values(), key=lambda entry: entry["total_us"])
+                        row["device_us"] = busiest
+                        print(f"{name} ctx={ctx} b={b} {loop}: device "
+                              f"{busiest['total_us']:.1f} us a call: "
+                              + ", ".join(f"{e['name'][:40]} {e['us']:.1f}"
+                                          for e in busiest["top"]), flush=True)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
             del k_pages, v_pages, cases
             fn_args = refs = k_cont = v_cont = out = None  # free the device buffers
     table_rows = summarize(rows)
@@ -462,17 +470,17 @@ def summarize(rows):
     dense = {}
     for r in ok:
         if r["budget_tokens"] is None and r["impl"].startswith("dense"):
-            dense.setdefault((r["context"], r["batch"]), {})[r["impl"]] = r["ms"]
-    out = ["| ctx | batch | budget | dense xla / pallas ms | composition ms | xla ref ms | "
+            dense.setdefault((r["context"], r["batch"], r["loop"]), {})[r["impl"]] = r["ms"]
+    out = ["| loop | ctx | batch | budget | dense xla / pallas ms | composition ms | xla ref ms | "
            "kernel ms (best) | x vs dense | x vs comp | % ceiling | rel err | triton ms (best) | "
            "triton x vs kernel | triton % ceiling | triton rel err |",
            "| --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | --- | "
-           "--- |"]
-    keys = sorted({(r["context"], r["batch"], r["budget_tokens"]) for r in ok
+           "--- | --- |"]
+    keys = sorted({(r["loop"], r["context"], r["batch"], r["budget_tokens"]) for r in ok
                    if r["budget_tokens"] is not None})
-    for ctx, b, bt in keys:
-        here = {r["impl"]: r for r in ok if (r["context"], r["batch"], r["budget_tokens"])
-                == (ctx, b, bt)}
+    for loop, ctx, b, bt in keys:
+        here = {r["impl"]: r for r in ok
+                if (r["loop"], r["context"], r["batch"], r["budget_tokens"]) == (loop, ctx, b, bt)}
         kern = [r for n, r in here.items() if n.startswith("kernel")]
         trit = [r for n, r in here.items() if n.startswith("triton")]
         if not kern and not trit:
@@ -483,11 +491,11 @@ def summarize(rows):
             tb = min(trit, key=lambda r: r["ms"])
             triton_cells = (f"| {tb['ms']:.3f} ({tb['impl']}) | {best['ms'] / tb['ms']:.2f} | "
                             f"{100 * tb['frac_ceiling']:.0f} | {tb['rel_err_vs_ref']:.1e} |")
-        d = dense.get((ctx, b), {})
+        d = dense.get((ctx, b, loop), {})
         dbest = min(d.values()) if d else float("nan")
         comp = here.get("composition", {}).get("ms", float("nan"))
         ref = here.get("xla_reference", {}).get("ms", float("nan"))
-        out.append(f"| {ctx} | {b} | {bt} | {d.get('dense_xla_contiguous', float('nan')):.3f} / "
+        out.append(f"| {loop} | {ctx} | {b} | {bt} | {d.get('dense_xla_contiguous', float('nan')):.3f} / "
                    f"{d.get('dense_pallas_paged', float('nan')):.3f} | {comp:.3f} | {ref:.3f} | "
                    f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
                    f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
@@ -496,7 +504,7 @@ def summarize(rows):
     if parts:
         out.append("")
         out.append("breakdown (first variant's settings): " + "; ".join(
-            f"ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl']} "
+            f"{r['loop']} ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl']} "
             f"{r['ms'] * 1e3:.1f} us ({r['gb_per_s']:.0f} GB/s)" for r in parts))
     return out
 
