@@ -18,8 +18,9 @@ that small batches still fill the GPU, and the splits' partial results are merge
   row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6 (H100), and a
   grid with more splits a row made every step pay for its idle programs and a padded merge
   (+0.18 ms a step at 19 rows). Program ``p`` finds its list and split from the prefix sum of
-  the lists' shares (:func:`list_shares`), writes its partial result at ``p``, and a second
-  kernel merges each list's own partials.
+  the lists' shares (:func:`list_shares`), writes its partial result at ``p`` and counts its
+  arrival on its list; the list's last program to arrive merges the list's partials (one
+  launch, no merge kernel after it).
 
 A group's query heads are read from the unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the
 matrix units' minimum) by a masked load; only the group's rows of the partial results are
@@ -74,7 +75,7 @@ def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, 
 
 
 def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
-            page_size, block_pages, splits, group, rpad, scale, at=None):
+            page_size, block_pages, splits, group, rpad, scale, at=None, part_at=()):
     """Online-softmax attention of one row's query group over this split's share of the
     ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
     unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
@@ -82,7 +83,8 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     ``at``: None, the grid's (row, KV head, split) blocks; or traced ``(row, kv_head, split)``
     indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]`` or
     a page table ``[B, W]``; ``splits`` traced too): a Triton load takes one index
-    expression, not a view of a view."""
+    expression, not a view of a view. ``part_at``: where the partial results go in whole
+    output arrays (the balanced kernel's ``(p,)``), none for the grid's blocks."""
     if at is None:
         row, pages_at, list_at = (), (), ()
         kv, s = pl.program_id(1), pl.program_id(2)
@@ -90,7 +92,7 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
         r, kv, s = at
         row, pages_at = (r,), (kv,)
         list_at = (r, kv) if len(phys_ref.shape) == 3 else (r,)     # a list, or a table
-    d = o_ref.shape[1]
+    d = o_ref.shape[-1]
     block_k = block_pages * page_size
     width = phys_ref.shape[-1]
     blocks = (count + block_pages - 1) // block_pages
@@ -130,13 +132,13 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
             jnp.zeros((rpad,), jnp.float32))
     o, m, l = lax.fori_loop(start, stop, body, init)
-    junk = o_ref.shape[0] - 1
+    junk = o_ref.shape[len(part_at)] - 1
     row = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
     row_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
     col_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 1)
-    plgpu.store(o_ref.at[jnp.minimum(row_d, junk), col_d], o, mask=row_d < group)
-    plgpu.store(m_ref.at[jnp.minimum(row, junk)], m, mask=row < group)
-    plgpu.store(l_ref.at[jnp.minimum(row, junk)], l, mask=row < group)
+    plgpu.store(o_ref.at[(*part_at, jnp.minimum(row_d, junk), col_d)], o, mask=row_d < group)
+    plgpu.store(m_ref.at[(*part_at, jnp.minimum(row, junk))], m, mask=row < group)
+    plgpu.store(l_ref.at[(*part_at, jnp.minimum(row, junk))], l, mask=row < group)
 
 
 # Attention programs per SM at the default settings (228 registers a thread at 2 warps).
@@ -287,15 +289,18 @@ def _pick(idx, i, values):
 
 
 def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_heads, programs,
-                            **settings):
+                            barrier, **settings):
     """Program p: split ``p - starts[i]`` of list i, the list whose programs hold p (none past
-    the shares' sum: an empty result). Lists: refs = (slots, counts, lengths, o, m, l); page
-    tables: (lengths, o, m, l)."""
+    the shares' sum: an empty result, no arrival); its partial result written at p, then its
+    arrival counted on list i, and the list's last program to arrive merges the list's
+    partials into ``out`` (stream-K style: no second launch). Lists: refs = (slots, counts,
+    lengths, arrivals, out, o, m, l, arrivals out); page tables: (lengths, arrivals, out, o,
+    m, l, arrivals out)."""
     if table:
-        slot_ref, (len_ref, *outs) = None, refs
+        slot_ref, (len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref) = None, refs
         counts_ref = len_ref
     else:
-        slot_ref, counts_ref, len_ref, *outs = refs
+        slot_ref, counts_ref, len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref = refs
     idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
                                  page_size=settings["page_size"])
     shares, starts = list_shares(count, idx < n, programs=programs,
@@ -303,9 +308,26 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
     p = pl.program_id(0)
     i = jnp.sum(jnp.where((idx < n) & (starts + shares <= p), 1, 0))   # n: no list
     row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
-    _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row], *outs,
-            splits=jnp.maximum(_pick(idx, i, shares), 1),
-            at=(row, i % kv_heads, p - _pick(idx, i, starts)), **settings)
+    start, share = _pick(idx, i, starts), _pick(idx, i, shares)
+    _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row],
+            o_ref, m_ref, l_ref, splits=jnp.maximum(share, 1),
+            at=(row, i % kv_heads, p - start), part_at=(p,), **settings)
+
+    @pl.when(i < n)
+    def _():
+        # Every thread's partial stores before the arrival, which releases them (the atomic
+        # is acquire-release at GPU scope); the last to arrive reads the others' by volatile
+        # loads, past the SM's L1, which may hold lines of partials read before they were
+        # written (a line holds several programs' maxima). Interpret mode runs the programs
+        # one after another and has no barrier.
+        if barrier:
+            plgpu.debug_barrier()
+        arrived = plgpu.atomic_add(arrivals_ref, i, jnp.ones((), jnp.int32))
+
+        @pl.when(arrived == share - 1)
+        def _():
+            _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, kv_heads=kv_heads,
+                        programs=programs, group=settings["group"])
 
 
 # Partial results the merge reads at once: its loop's loads are not pipelined, so one
@@ -313,16 +335,10 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
 MERGE_CHUNK = 8
 
 
-def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, table, kv_heads, programs,
-                  page_size, block_pages, group):
-    """List i = (row, KV head): its partial results rescaled to their common max and summed
-    (an empty split has l = 0 and adds nothing), :data:`MERGE_CHUNK` partials at a time, its
-    query heads written to ``out[row]``."""
-    i = pl.program_id(0)
-    idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
-                                 page_size=page_size)
-    shares, starts = list_shares(count, idx < n, programs=programs, block_pages=block_pages)
-    start, share = _pick(idx, i, starts), _pick(idx, i, shares)
+def _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, *, kv_heads, programs, group):
+    """List i = (row, KV head): its partial results at ``start .. start + share - 1``
+    rescaled to their common max and summed (an empty split has l = 0 and adds nothing),
+    :data:`MERGE_CHUNK` partials at a time, its query heads written to ``out[row]``."""
     junk = m_ref.shape[1] - 1
     d = o_ref.shape[2]
     gpad = pow2(group)         # no matrix units here: the group's rows, not the 16 of a dot
@@ -335,9 +351,12 @@ def _merge_kernel(counts_ref, o_ref, m_ref, l_ref, out_ref, *, table, kv_heads, 
         at, at_d = start + j * MERGE_CHUNK + c, start + j * MERGE_CHUNK + c_d
         ok, ok_d = (at < start + share) & (r < group), (at_d < start + share) & (r_d < group)
         at, at_d = jnp.minimum(at, programs - 1), jnp.minimum(at_d, programs - 1)
-        m_s = plgpu.load(m_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=_MASK_VALUE)
-        l_s = plgpu.load(l_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=0.0)
-        o_s = plgpu.load(o_ref.at[at_d, jnp.minimum(r_d, junk), d_d], mask=ok_d, other=0.0)
+        m_s = plgpu.load(m_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=_MASK_VALUE,
+                         volatile=True)
+        l_s = plgpu.load(l_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=0.0,
+                         volatile=True)
+        o_s = plgpu.load(o_ref.at[at_d, jnp.minimum(r_d, junk), d_d], mask=ok_d, other=0.0,
+                         volatile=True)
         m_new = jnp.maximum(m, jnp.max(m_s, axis=0))
         a, b = jnp.exp(m - m_new), jnp.exp(m_s - m_new[None, :])
         return (a[:, None] * o + jnp.sum(b[:, :, None] * o_s, axis=0), m_new,
@@ -359,7 +378,7 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
                                tuning, programs=None, interpret=False):
     """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
     programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
-    least one a list), then a merge kernel of one program a list."""
+    least one a list), each list merged by its last program."""
     counts = count.reshape(-1)
     return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], counts, lengths,
                           table=False, page_size=page_size, tuning=tuning,
@@ -379,39 +398,36 @@ def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size
 
 def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, table, page_size,
                    tuning, programs, interpret, name):
-    """The balanced attention launch (grid ``(programs,)``) and the merge (grid ``(B * Hkv,)``);
-    ``lists``: the page lists, their slots and counts, or the page table; ``counts_src``: what
+    """The balanced attention, merge included: one launch, grid ``(programs,)``; ``lists``:
+    the page lists, their slots and counts, or the page table; ``counts_src``: what
     :func:`_list_counts` reads each list's pages from (the counts, or for a ``table`` the
-    lengths)."""
+    lengths). The partial results and the arrival counts are outputs only because a Pallas
+    GPU kernel has no global scratch; the counts start at zero each call."""
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv
     rpad = max(16, pow2(group))
     rows = group + (group < rpad)
     programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), b * hkv)
-    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * x.ndim)
-    per_program = lambda *blk: pl.BlockSpec((None, *blk), lambda p: (p,) + (0,) * len(blk))
-    settings = dict(table=table, kv_heads=hkv, programs=programs, page_size=page_size,
-                    block_pages=tuning.block_pages)
-    o, mx, l = pl.pallas_call(
-        functools.partial(_balanced_attend_kernel, group=group, rpad=rpad, scale=d ** -0.5,
-                          **settings),
+    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
+    arrivals = jnp.zeros((b * hkv,), jnp.int32)
+    ins = [q, k_pages, v_pages, *lists, lengths, arrivals]
+    outs = [jax.ShapeDtypeStruct(q.shape, q.dtype),
+            jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+            jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+            jax.ShapeDtypeStruct(arrivals.shape, arrivals.dtype)]
+    out, *_ = pl.pallas_call(
+        functools.partial(_balanced_attend_kernel, table=table, kv_heads=hkv, programs=programs,
+                          barrier=not interpret,
+                          page_size=page_size, block_pages=tuning.block_pages, group=group,
+                          rpad=rpad, scale=d ** -0.5),
         grid=(programs,),
-        in_specs=[whole(x) for x in (q, k_pages, v_pages, *lists, lengths)],
-        out_specs=[per_program(rows, d), per_program(rows), per_program(rows)],
-        out_shape=[jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
-                   jax.ShapeDtypeStruct((programs, rows), jnp.float32),
-                   jax.ShapeDtypeStruct((programs, rows), jnp.float32)],
+        in_specs=[whole(x) for x in ins],
+        out_specs=[whole(x) for x in outs], out_shape=outs,
+        input_output_aliases={len(ins) - 1: len(outs) - 1},
         compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
                                              num_stages=tuning.attend_stages),
         interpret=interpret, name=name,
-    )(q, k_pages, v_pages, *lists, lengths)
-    out = jax.ShapeDtypeStruct(q.shape, q.dtype)
-    return pl.pallas_call(
-        functools.partial(_merge_kernel, group=group, **settings),
-        grid=(b * hkv,),
-        in_specs=[whole(counts_src), whole(o), whole(mx), whole(l)],
-        out_specs=whole(out), out_shape=out,
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=interpret, name="decode_attend_merge",
-    )(counts_src, o, mx, l)
+    )(*ins)
+    return out

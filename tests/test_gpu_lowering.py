@@ -64,7 +64,7 @@ def test_sparse_decode_lowers_for_h100(tuning, dtype, hq):
                                     centroids=cent, max_budget_pages=8, tuning=tuning)
 
     attend = (["sparse_decode_attend"] if tuning.splits else
-              ["sparse_decode_attend_balanced", "decode_attend_merge"])   # the default
+              ["sparse_decode_attend_balanced"])   # the default, merge included
     assert triton_kernels(step, *c.values()) == [
         "sparse_decode_score", "sparse_decode_select", *attend]
 
@@ -285,7 +285,7 @@ def issue5_shapes(b=32, m=2049, d=128):
 @pytest.mark.parametrize("balanced", [None, False])
 def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch, balanced):
     """Issue 5's shape (batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128), the
-    default settings (the balanced attention and its merge) and even splits: the kernels
+    default settings (the balanced attention, merging in its last programs) and even splits: the kernels
     compile for sm_90 without spills."""
     shapes = issue5_shapes()
 
@@ -296,7 +296,7 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch,
 
     report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
     attend = (["sparse_decode_attend"] if balanced is False else
-              ["sparse_decode_attend_balanced", "decode_attend_merge"])
+              ["sparse_decode_attend_balanced"])
     assert [k.split("_", 1)[1] for k in report] == [
         "sparse_decode_score", "sparse_decode_select", *attend]
     assert fits_h100(report), report
@@ -366,7 +366,8 @@ def test_teacher_forced_kernels_compile_for_hopper(tmp_path, monkeypatch):
 @needs_triton
 def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
     """``GpuDecodeTuning(balanced=True)``: the step's attention on a flat grid shared out by
-    list length and its merge (pallas_kernels/paged_attend_gpu.py) compile for sm_90 without
+    list length, each list merged by its last program (pallas_kernels/paged_attend_gpu.py),
+    compiles for sm_90 without
     spills: issue 5's shape at the rollout's batch of 19 (152 lists, their counts read padded
     to 256)."""
     def step(q, k, v, cent, table, lengths, budget):
@@ -377,8 +378,7 @@ def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeyp
     report = ptxas_report(step, *issue5_shapes(b=19), tmp_path=tmp_path,
                           monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [
-        "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend_balanced",
-        "decode_attend_merge"]
+        "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend_balanced"]
     assert fits_h100(report), report
 
 
@@ -392,5 +392,5 @@ def test_balanced_dense_attention_compiles_for_hopper_without_spills(tmp_path, m
 
     report = ptxas_report(step, *dense_shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == [
-        "dense_decode_attend_balanced", "decode_attend_merge"]
+        "dense_decode_attend_balanced"]
     assert fits_h100(report), report
