@@ -380,7 +380,7 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
     programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
     least one a list), each list merged by its last program."""
     counts = count.reshape(-1)
-    return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], counts, lengths,
+    return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], lengths,
                           table=False, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
                           name="sparse_decode_attend_balanced")
@@ -390,19 +390,19 @@ def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size
                           programs=None, interpret=False):
     """As :func:`attend_table`, the programs shared out as :func:`attend_page_lists_balanced`
     shares them (a row's pages its list for each KV head)."""
-    return _balanced_call(q, k_pages, v_pages, [page_table], lengths, lengths,
+    return _balanced_call(q, k_pages, v_pages, [page_table], lengths,
                           table=True, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
                           name="dense_decode_attend_balanced")
 
 
-def _balanced_call(q, k_pages, v_pages, lists, counts_src, lengths, *, table, page_size,
-                   tuning, programs, interpret, name):
+def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tuning, programs,
+                   interpret, name):
     """The balanced attention, merge included: one launch, grid ``(programs,)``; ``lists``:
-    the page lists, their slots and counts, or the page table; ``counts_src``: what
-    :func:`_list_counts` reads each list's pages from (the counts, or for a ``table`` the
-    lengths). The partial results and the arrival counts are outputs only because a Pallas
-    GPU kernel has no global scratch; the counts start at zero each call."""
+    the page lists, their slots and counts, or the page table (whose lists' pages
+    :func:`_list_counts` reads from the lengths). The partial results and the arrival counts
+    are outputs only because a Pallas GPU kernel has no global scratch; the counts start at
+    zero each call."""
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv

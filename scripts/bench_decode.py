@@ -480,7 +480,8 @@ def summarize(rows):
                    if r["budget_tokens"] is not None})
     for loop, ctx, b, bt in keys:
         here = {r["impl"]: r for r in ok
-                if (r["loop"], r["context"], r["batch"], r["budget_tokens"]) == (loop, ctx, b, bt)}
+                if (r["loop"], r["context"], r["batch"], r["budget_tokens"])
+                == (loop, ctx, b, bt)}
         kern = [r for n, r in here.items() if n.startswith("kernel")]
         trit = [r for n, r in here.items() if n.startswith("triton")]
         if not kern and not trit:
@@ -495,7 +496,8 @@ def summarize(rows):
         dbest = min(d.values()) if d else float("nan")
         comp = here.get("composition", {}).get("ms", float("nan"))
         ref = here.get("xla_reference", {}).get("ms", float("nan"))
-        out.append(f"| {loop} | {ctx} | {b} | {bt} | {d.get('dense_xla_contiguous', float('nan')):.3f} / "
+        out.append(f"| {loop} | {ctx} | {b} | {bt} | "
+                   f"{d.get('dense_xla_contiguous', float('nan')):.3f} / "
                    f"{d.get('dense_pallas_paged', float('nan')):.3f} | {comp:.3f} | {ref:.3f} | "
                    f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
                    f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
@@ -504,7 +506,8 @@ def summarize(rows):
     if parts:
         out.append("")
         out.append("breakdown (first variant's settings): " + "; ".join(
-            f"{r['loop']} ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} {r['impl']} "
+            f"{r['loop']} ctx {r['context']} b {r['batch']} budget {r['budget_tokens']} "
+            f"{r['impl']} "
             f"{r['ms'] * 1e3:.1f} us ({r['gb_per_s']:.0f} GB/s)" for r in parts))
     return out
 

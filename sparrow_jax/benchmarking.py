@@ -28,8 +28,9 @@ def chained(fn, chain: int, unroll: bool = False):
     """A jitted ``run(x, *args)`` applying ``x = fn(x, *args)`` ``chain`` times in a loop.
 
     ``unroll``: the ``chain`` calls written out in one program instead of an XLA while loop,
-    whose own per-iteration cost on a GPU (a device-to-device copy of the carry and the
-    counter's update, ~5 us) is in every call it times; short kernels need the unrolled form."""
+    whose own per-iteration cost on a GPU is in every call it times (the counter's update and,
+    where the carry is not aliased, its copy: 1.5 us a call in bench_decode's trace on an H100,
+    4.2 us in bench_prep_append's)."""
     @jax.jit
     def run(x, *args):
         return jax.lax.fori_loop(0, chain, lambda _, y: fn(y, *args), x, unroll=unroll)

@@ -285,8 +285,8 @@ def issue5_shapes(b=32, m=2049, d=128):
 @pytest.mark.parametrize("balanced", [None, False])
 def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch, balanced):
     """Issue 5's shape (batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128), the
-    default settings (the balanced attention, merging in its last programs) and even splits: the kernels
-    compile for sm_90 without spills."""
+    default settings (the balanced attention, merging in its last programs) and even splits:
+    the kernels compile for sm_90 without spills."""
     shapes = issue5_shapes()
 
     def step(q, k, v, cent, table, lengths, budget):
