@@ -60,9 +60,9 @@ def _attend_kernel(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref, len_ref,
                    o_ref, m_ref, l_ref, **settings):
     """q ``[Hq, D]`` (this row), pages ``[N, P, D]`` (this KV head), page list ``[Kpad]`` of
     physical pages and their slots in the row -> this split's partial results
-    (:func:`attend_split`)."""
-    attend_split(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref[0], len_ref[0],
-                 o_ref, m_ref, l_ref, **settings)
+    (:func:`_attend`)."""
+    _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count_ref[0], len_ref[0],
+            o_ref, m_ref, l_ref, **settings)
 
 
 def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, l_ref,
@@ -70,12 +70,12 @@ def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, 
     """Dense decode: the list is the row's page table ``[W]``, every page below its length."""
     length = len_ref[0]
     count = (length + settings["page_size"] - 1) // settings["page_size"]
-    attend_split(q_ref, k_ref, v_ref, table_ref, None, count, length, o_ref, m_ref, l_ref,
-                 **settings)
+    _attend(q_ref, k_ref, v_ref, table_ref, None, count, length, o_ref, m_ref, l_ref,
+            **settings)
 
 
-def attend_split(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref,
-                 *, page_size, block_pages, splits, group, rpad, scale, at=None, part_at=()):
+def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
+            page_size, block_pages, splits, group, rpad, scale, at=None, part_at=()):
     """Online-softmax attention of one row's query group over this split's share of the
     ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
     unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
@@ -283,7 +283,7 @@ def _list_counts(ref, *, table, kv_heads, page_size):
     return idx, n, (lengths + page_size - 1) // page_size
 
 
-def pick(idx, i, values):
+def _pick(idx, i, values):
     """values[i] from a vector (0 where i is past it)."""
     return jnp.sum(jnp.where(idx == i, values, 0))
 
@@ -308,36 +308,26 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
     p = pl.program_id(0)
     i = jnp.sum(jnp.where((idx < n) & (starts + shares <= p), 1, 0))   # n: no list
     row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
-    start, share = pick(idx, i, starts), pick(idx, i, shares)
-    attend_split(q_ref, k_ref, v_ref, list_ref, slot_ref, pick(idx, i, count), len_ref[row],
-                 o_ref, m_ref, l_ref, splits=jnp.maximum(share, 1),
-                 at=(row, i % kv_heads, p - start), part_at=(p,), **settings)
+    start, share = _pick(idx, i, starts), _pick(idx, i, shares)
+    _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row],
+            o_ref, m_ref, l_ref, splits=jnp.maximum(share, 1),
+            at=(row, i % kv_heads, p - start), part_at=(p,), **settings)
 
     @pl.when(i < n)
     def _():
-        arrive_and_merge(i, start, share, arrivals_ref, i, o_ref, m_ref, l_ref, out_ref,
-                         kv_heads=kv_heads, programs=programs, group=settings["group"],
-                         barrier=barrier)
+        # Every thread's partial stores before the arrival, which releases them (the atomic
+        # is acquire-release at GPU scope); the last to arrive reads the others' by volatile
+        # loads, past the SM's L1, which may hold lines of partials read before they were
+        # written (a line holds several programs' maxima). Interpret mode runs the programs
+        # one after another and has no barrier.
+        if barrier:
+            plgpu.debug_barrier()
+        arrived = plgpu.atomic_add(arrivals_ref, i, jnp.ones((), jnp.int32))
 
-
-def arrive_and_merge(i, start, share, arrivals_ref, arrival_at, o_ref, m_ref, l_ref, out_ref, *,
-                     kv_heads, programs, group, barrier):
-    """After a program's partial result of list i (written at its place among ``start ..
-    start + share - 1``): its arrival counted at ``arrivals_ref[arrival_at]``; the list's last
-    program to arrive merges the list's partials into ``out``."""
-    # Every thread's partial stores before the arrival, which releases them (the atomic is
-    # acquire-release at GPU scope); the last to arrive reads the others' by volatile loads,
-    # past the SM's L1, which may hold lines of partials read before they were written (a line
-    # holds several programs' maxima). Interpret mode runs the programs one after another and
-    # has no barrier.
-    if barrier:
-        plgpu.debug_barrier()
-    arrived = plgpu.atomic_add(arrivals_ref, arrival_at, jnp.ones((), jnp.int32))
-
-    @pl.when(arrived == share - 1)
-    def _():
-        _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, kv_heads=kv_heads,
-                    programs=programs, group=group)
+        @pl.when(arrived == share - 1)
+        def _():
+            _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, kv_heads=kv_heads,
+                        programs=programs, group=settings["group"])
 
 
 # Partial results the merge reads at once: its loop's loads are not pipelined, so one

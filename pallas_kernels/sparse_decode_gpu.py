@@ -43,9 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attend_gpu import (ATTEND_PROGRAMS_PER_SM, arrive_and_merge,
-                                             attend_page_lists, attend_split, default_splits,
-                                             group_queries, list_shares, pick, pow2, sm_count)
+from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
+                                             pow2)
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
@@ -115,8 +114,6 @@ class GpuDecodeTuning:
       idle. H100, 32K, budget 2048: one long row beside finished ones 37 -> 28 us a layer at
       batch 19, 55 -> 26 at 32; every row long, the step +2.3% at batch 19, +3.7% at 32
       (BENCHMARKS.md, run O).
-    one_launch: scoring, selection and the balanced attention as one grid
-      (:func:`sparse_step_one_launch`; ``splits`` and ``balanced`` unused).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -126,7 +123,6 @@ class GpuDecodeTuning:
     attend_warps: int = 2
     attend_stages: int = 1
     balanced: bool | None = None
-    one_launch: bool = False
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -143,22 +139,10 @@ class GpuDecodeTuning:
 def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
     """Grid (B, Hkv, Mpad / C): q ``[Hq, D]`` (this row), centroids ``[N, D]`` (this KV head),
     table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
-    score_chunk(q_ref, cent_ref, table_ref, key_ref, len_ref[0], kv_head=pl.program_id(1),
-                c=pl.program_id(2), page_size=page_size, chunk=chunk, group=group)
-
-
-def score_chunk(q_ref, cent_ref, table_ref, key_ref, length, *, kv_head, c, page_size, chunk,
-                group, row=()):
-    """The keys of slots ``c * C .. c * C + C - 1`` of one (row, KV head): ``row`` empty, the
-    grid's blocks (q ``[Hq, D]``, centroids ``[N, D]``, table and keys ``[C]``); or ``(b,)``,
-    whole arrays (q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, table ``[B, Mpad]``, keys
-    ``[B, Hkv, Mpad]``)."""
-    n = (length + page_size - 1) // page_size
-    local = lax.broadcasted_iota(jnp.int32, (chunk,), 0)
-    slot = c * chunk + local
+    h, c = pl.program_id(1), pl.program_id(2)
+    n = (len_ref[0] + page_size - 1) // page_size
+    slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
-    at = slot if row else local              # this program's slots in table_ref and key_ref
-    key_at, cent_at = ((*row, kv_head), (kv_head,)) if row else ((), ())
 
     # A program wholly past the row's eligible pages only marks its slots: a short row in a
     # wide table (the longest row of the batch sets the width) then costs little more than
@@ -166,25 +150,23 @@ def score_chunk(q_ref, cent_ref, table_ref, key_ref, length, *, kv_head, c, page
     # 5.2x its time at width 256 while every program read the query.)
     @pl.when(c * chunk >= n - 2)
     def _():
-        plgpu.store(key_ref.at[(*key_at, at)], jnp.full((chunk,), _INT_MIN, jnp.int32))
+        key_ref[...] = jnp.full((chunk,), _INT_MIN, jnp.int32)
 
     @pl.when(c * chunk < n - 2)
     def _():
-        qbar = jnp.sum(group_queries(q_ref, kv_head, group, pow2(group), row).astype(
-            jnp.float32), axis=0) / group
+        qbar = jnp.sum(group_queries(q_ref, h, group, pow2(group)).astype(jnp.float32),
+                       axis=0) / group
         # Masked loads: slots past the row's pages read nothing.
-        phys = plgpu.load(table_ref.at[(*row, at)], mask=eligible, other=jnp.int32(0))
-        d = cent_ref.shape[-1]
+        phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
+        d = cent_ref.shape[1]
         # Both dimensions indexed by arrays (interpret mode has no masked load of a slice).
         col = lax.broadcasted_iota(jnp.int32, (chunk, d), 1)
-        cent = plgpu.load(cent_ref.at[(*cent_at, jnp.broadcast_to(phys[:, None], (chunk, d)),
-                                       col)],
+        cent = plgpu.load(cent_ref.at[jnp.broadcast_to(phys[:, None], (chunk, d)), col],
                           mask=jnp.broadcast_to(eligible[:, None], (chunk, d)),
                           other=0).astype(jnp.float32)                     # [C, D]
         # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
         score = jnp.sum(cent * qbar[None, :], axis=1)
-        plgpu.store(key_ref.at[(*key_at, at)],
-                    jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN)))
+        key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
 
 def _count(mask: jax.Array) -> jax.Array:
@@ -196,33 +178,11 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
     the second half is never written on GPU) and the count ``[1]``."""
-    def store_count(total):
-        count_ref[...] = jnp.full((1,), total, jnp.int32)
-
-    select_list(key_ref, table_ref, len_ref[0], budget_ref[0], phys_ref, slot_ref,
-                page_size=page_size, max_pages=max_pages, store_count=store_count)
-
-
-def list_count(length, budget, *, page_size, max_pages):
-    """Pages in a row's list: all of its pages when the budget (clipped to ``[3, max_pages]``)
-    covers them, else the budget (what :func:`select_list` chooses, known before it runs)."""
-    n = (length + page_size - 1) // page_size
-    return jnp.minimum(n, jnp.clip(budget, RESERVED, max_pages))
-
-
-def select_list(key_ref, table_ref, length, budget, phys_ref, slot_ref, *, page_size, max_pages,
-                row=(), kv_head=None, volatile=False, store_count=None):
-    """One (row, KV head)'s page list from its keys (:func:`_select_kernel`): ``row`` empty,
-    the grid's blocks (keys and table ``[Mpad]``, lists ``[2 * Kpad]``); or ``(b,)`` with
-    ``kv_head``, whole arrays (keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]``, lists ``[B, Hkv,
-    2 * Kpad]``). ``volatile``: keys read past the SM's L1 (written by other programs of the
-    same launch). ``store_count(total)`` is called with the list's length."""
-    n = (length + page_size - 1) // page_size
-    mpad = table_ref.shape[-1]
-    kpad = phys_ref.shape[-1] // 2
-    budget = jnp.clip(budget, RESERVED, max_pages)
+    n = (len_ref[0] + page_size - 1) // page_size
+    mpad = table_ref.shape[0]
+    kpad = phys_ref.shape[0] // 2
+    budget = jnp.clip(budget_ref[0], RESERVED, max_pages)
     k = budget - RESERVED
-    list_at = (*row, kv_head) if row else ()
 
     def search(keys, slot):
         """(t, need, j) of the keys: the threshold, how many keys equal to it to take, and the
@@ -268,7 +228,8 @@ def select_list(key_ref, table_ref, length, budget, phys_ref, slot_ref, *, page_
     def select(size):
         """The page list from the first ``size`` slots, which hold the row's pages (and
         ``size >= Kpad``, so every list entry gets a value): the same as from all ``Mpad``."""
-        keys = plgpu.load(key_ref.at[(*list_at, pl.ds(0, size))], volatile=volatile)
+        keys = key_ref[pl.ds(0, size)]
+        table = table_ref[pl.ds(0, size)]
         idx = lax.broadcasted_iota(jnp.int32, (size,), 0)
         # No search when the budget covers the row (traced values: the Triton lowering
         # cannot yield a literal from a cond).
@@ -289,15 +250,12 @@ def select_list(key_ref, table_ref, length, budget, phys_ref, slot_ref, *, page_
         total = jnp.sum(sel_i)
         rank = jnp.where(sel, upto - 1, total + idx - upto)
         last = jnp.maximum(n - 1, 0)
-        # The table read only now: not held in registers through the search.
-        table = table_ref[(*row, pl.ds(0, size))]
-        last_phys = table_ref[(*row, last)]
+        last_phys = jnp.sum(jnp.where(idx == last, table, jnp.int32(0)))
         keep = rank < kpad
         dest = jnp.where(keep, rank, jnp.int32(kpad))
-        plgpu.store(phys_ref.at[(*list_at, dest)], jnp.where(sel, table, last_phys), mask=keep)
-        plgpu.store(slot_ref.at[(*list_at, dest)], jnp.where(sel, idx, last), mask=keep)
-        if store_count is not None:
-            store_count(total)
+        plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
+        plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
+        count_ref[...] = jnp.full((1,), total, jnp.int32)
 
     # The selection runs over the smallest power of two of slots (256 at least) holding the
     # row's pages, a branch per size: its cost follows the row's length, not the table's
@@ -466,144 +424,9 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
     )(keys, table, lengths, budget_pages)
 
 
-# Tries of a program waiting for its list (one atomic read each, ~1 us): far more than a step
-# takes, so that a wrong mark gives a wrong result, which the tests see, and not a hung GPU.
-_WAIT_LIMIT = 1 << 22
-
-
-def _wait_ready(flags_ref, at, active):
-    """Spin until ``flags_ref[at]`` is set (nothing when ``active`` is False). The reads are
-    acquire atomics: the list written before the mark's release is then seen."""
-    def read(carry):
-        _, tries = carry
-        return plgpu.atomic_add(flags_ref, at, jnp.zeros((), jnp.int32)), tries + 1
-
-    lax.while_loop(lambda c: (c[0] == jnp.int32(0)) & (c[1] < jnp.int32(_WAIT_LIMIT)), read,
-                   (jnp.where(active, jnp.int32(0), jnp.int32(1)), jnp.int32(0)))
-
-
-def _step_kernel(q_ref, cent_ref, k_ref, v_ref, table_ref, len_ref, budget_ref, _,
-                 out_ref, keys_ref, phys_ref, slot_ref, o_ref, m_ref, l_ref, flags_ref, *,
-                 chunk, max_pages, programs, barrier, page_size, group, **settings):
-    """Grid (L * Mpad / C + A,) for L = B * Hkv lists (:func:`sparse_step_one_launch`); flags
-    ``[3 * L]``: the scoring programs' arrivals, the lists' ready marks, the attention's
-    arrivals."""
-    batch, mpad = table_ref.shape
-    kv_heads = cent_ref.shape[0]
-    lists, chunks = batch * kv_heads, mpad // chunk
-    scorers = lists * chunks
-    p = pl.program_id(0)
-    one = jnp.ones((), jnp.int32)
-
-    @pl.when(p < scorers)
-    def _():
-        i, c = p // chunks, p % chunks
-        b, h = i // kv_heads, i % kv_heads
-        score_chunk(q_ref, cent_ref, table_ref, keys_ref, len_ref[b], kv_head=h, c=c,
-                    page_size=page_size, chunk=chunk, group=group, row=(b,))
-        # As the attention's merge (arrive_and_merge): stores, barrier, acquire-release count.
-        if barrier:
-            plgpu.debug_barrier()
-        arrived = plgpu.atomic_add(flags_ref, i, one)
-
-        @pl.when(arrived == chunks - 1)
-        def _():
-            select_list(keys_ref, table_ref, len_ref[b], budget_ref[b], phys_ref, slot_ref,
-                        page_size=page_size, max_pages=max_pages, row=(b,), kv_head=h,
-                        volatile=True)
-            if barrier:
-                plgpu.debug_barrier()
-            plgpu.atomic_add(flags_ref, lists + i, one)
-
-    @pl.when(p >= scorers)
-    def _():
-        a = p - scorers
-        idx = lax.broadcasted_iota(jnp.int32, (pow2(lists),), 0)
-        valid = idx < lists
-        row = jnp.minimum(idx // kv_heads, batch - 1)
-        # The lists' lengths before any selection: the shares need every list's.
-        counts = jnp.where(valid, list_count(
-            plgpu.load(len_ref.at[row], mask=valid, other=0),
-            plgpu.load(budget_ref.at[row], mask=valid, other=0),
-            page_size=page_size, max_pages=max_pages), 0)
-        shares, starts = list_shares(counts, valid, programs=programs,
-                                     block_pages=settings["block_pages"])
-        i = jnp.sum(jnp.where(valid & (starts + shares <= a), 1, 0))   # lists: no list
-        r = jnp.minimum(i // kv_heads, batch - 1)
-        start, share = pick(idx, i, starts), pick(idx, i, shares)
-        # Interpret mode runs the programs in order (every mark set before it is read) and
-        # cannot discharge an atomic inside a loop.
-        if barrier:
-            _wait_ready(flags_ref, lists + jnp.minimum(i, lists - 1), i < lists)
-        attend_split(q_ref, k_ref, v_ref, phys_ref, slot_ref, pick(idx, i, counts), len_ref[r],
-                     o_ref, m_ref, l_ref, splits=jnp.maximum(share, 1),
-                     at=(r, i % kv_heads, a - start), part_at=(a,), page_size=page_size,
-                     group=group, **settings)
-
-        @pl.when(i < lists)
-        def _():
-            arrive_and_merge(i, start, share, flags_ref, 2 * lists + i, o_ref, m_ref, l_ref,
-                             out_ref, kv_heads=kv_heads, programs=programs, group=group,
-                             barrier=barrier)
-
-
-def sparse_step_one_launch(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
-                           page_size, max_pages, tuning, programs=None, interpret=False):
-    """The sparse step as one launch: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, centroids
-    ``[Hkv, N, D]``, page_table ``[B, M]``, lengths and budget_pages ``[B]`` (int32) -> ``[B, Hq,
-    D]`` in q's dtype; ``tuning`` resolved. Grid: the scoring programs, chunk fastest, then
-    ``programs`` attention programs (default one wave, at least one a list). A list's last
-    scoring program selects it and marks it ready; its attention programs wait for the mark,
-    then attend as :func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced` does,
-    whose shares need only the lists' lengths, known from the lengths and budgets
-    (:func:`list_count`) before any selection. A program waits only for programs of lower
-    index, which the GPU dispatches first and which wait for nothing (CUTLASS's serial split-K
-    semaphore rests on the same order); interpret mode runs the programs in order. The keys,
-    lists, partial results and flags are outputs only because a Pallas GPU kernel has no
-    global scratch."""
-    b, hq, d = q.shape
-    hkv = k_pages.shape[0]
-    group = hq // hkv
-    rpad = max(16, pow2(group))
-    rows = group + (group < rpad)
-    mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
-    table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    lists = b * hkv
-    programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), lists)
-    flags = jnp.zeros((3 * lists,), jnp.int32)
-    ins = [q, centroids, k_pages, v_pages, table, lengths, budget_pages, flags]
-    outs = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
-            jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
-            jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
-            jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((programs, rows), jnp.float32),
-            jax.ShapeDtypeStruct((programs, rows), jnp.float32),
-            jax.ShapeDtypeStruct(flags.shape, flags.dtype)]
-    whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
-    out, *_ = pl.pallas_call(
-        functools.partial(_step_kernel, chunk=tuning.score_chunk, max_pages=max_pages,
-                          programs=programs, barrier=not interpret, page_size=page_size,
-                          group=group, block_pages=tuning.block_pages, rpad=rpad,
-                          scale=d ** -0.5),
-        grid=(lists * (mpad // tuning.score_chunk) + programs,),
-        in_specs=[whole(x) for x in ins],
-        out_specs=[whole(x) for x in outs], out_shape=outs,
-        input_output_aliases={len(ins) - 1: len(outs) - 1},
-        compiler_params=plgpu.CompilerParams(num_warps=tuning.attend_warps,
-                                             num_stages=tuning.attend_stages),
-        interpret=interpret, name="sparse_decode_step",
-    )(*ins)
-    return out
-
-
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
-    if tuning.one_launch:
-        return sparse_step_one_launch(q, k_pages, v_pages, centroids, page_table, lengths,
-                                      budget_pages, page_size=page_size, max_pages=max_pages,
-                                      tuning=tuning, interpret=interpret)
     phys, slots, count = select_page_lists(
         q, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, tuning=tuning, interpret=interpret)

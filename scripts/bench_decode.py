@@ -86,14 +86,12 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
 
 def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
-    attend_warps=4)); 'a1': the balanced attention; 'o1': the step in one launch."""
+    attend_warps=4)); 'a1': the balanced attention."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
-                 t="select_warps", g="attend_stages", v="score_warps", a="balanced",
-                 o="one_launch")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvao])(\d+)", spec)}
-    for flag in ("balanced", "one_launch"):
-        if flag in kw:
-            kw[flag] = bool(kw[flag])
+                 t="select_warps", g="attend_stages", v="score_warps", a="balanced")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgva])(\d+)", spec)}
+    if "balanced" in kw:
+        kw["balanced"] = bool(kw["balanced"])
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -283,8 +281,7 @@ def main(argv=None):
                     help="kernel variants (GpuDecodeTuning), comma separated, each "
                          "letters+numbers: b block_pages, s splits, w attention warps, "
                          "g attention stages, c score_chunk, v score warps, t select warps, "
-                         "a1 the balanced attention, o1 the step in one launch (e.g. "
-                         "b4s2w2g1c64v4t4, b4a1, b4o1)")
+                         "a1 the balanced attention (e.g. b4s2w2g1c64v4t4, b4a1)")
     ap.add_argument("--triton-configs", default="",
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "
                          "'default', or letters+numbers: b block_pages, s splits, w attention "
