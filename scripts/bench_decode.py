@@ -291,6 +291,10 @@ def main(argv=None):
                     help="also trace each kernel variant's chained calls once: its device time "
                          "per call by kernel (CUDA graphs off for the whole run, as in "
                          "scripts/profile_step.py: compare times within the run)")
+    ap.add_argument("--own-launcher", action="store_true",
+                    help="also run the first kernel config's kernels through our own launcher "
+                         "(pallas_kernels/cubin_chain.py: one custom call for the step), "
+                         "without and with programmatic dependent launch")
     ap.add_argument("--loops", nargs="+", choices=("fori", "unrolled"), default=["fori"],
                     help="how the chained calls are timed: an XLA while loop (its own "
                          "per-iteration cost in each call) and/or written out in one program")
@@ -377,6 +381,13 @@ def main(argv=None):
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
+                    if args.own_launcher and (name, tuning) == variants[0]:
+                        from pallas_kernels.cubin_chain import as_chain
+                        for pdl in (False, True):
+                            cases[f"{name}_chain{'_pdl' * pdl}@{budget_tokens}"] = (
+                                budget_tokens, as_chain(fn, pdl=pdl),
+                                (q, k_pages, v_pages, centroids, table, lengths, budgets),
+                                sparse_bytes)
                 for name, tuning in triton_variants:
                     fn = functools.partial(
                         lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_triton(
