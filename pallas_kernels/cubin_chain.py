@@ -212,8 +212,8 @@ class _Chain:
 class _Runner:
     """Evaluates a jaxpr, collecting runs of ``pallas_call`` equations into chains."""
 
-    def __init__(self, pdl: bool, arch: int):
-        self.pdl, self.arch = pdl, arch
+    def __init__(self, pdl: bool, wait: bool, arch: int):
+        self.pdl, self.wait, self.arch = pdl, wait, arch
         self.chain = _Chain(0)
         self.done: dict[tuple[int, int], jax.Array] = {}
 
@@ -235,7 +235,7 @@ class _Runner:
         last = len(chain.launches) - 1
         for i, (kernel, params) in enumerate(chain.launches):
             pdl = self.pdl and len(chain.launches) > 1
-            c = _compiled(kernel, pdl and i > 0, pdl and i < last, self.arch)
+            c = _compiled(kernel, pdl and self.wait and i > 0, pdl and i < last, self.arch)
             index = [j if kind == "arg" else base + j for kind, j in params]
             if c.params < len(index):
                 raise ValueError(f"{c.name}: {c.params} parameters, {len(index)} buffers")
@@ -303,17 +303,19 @@ class _Runner:
         return [read(v) for v in jaxpr.outvars]
 
 
-def as_chain(fn, *, pdl: bool = True, arch: int | None = None):
+def as_chain(fn, *, pdl: bool = True, wait: bool = True, arch: int | None = None):
     """``fn`` with its Pallas GPU kernels launched by this module's custom call, each run of
     consecutive kernels as one chain (PDL between them if ``pdl``). Same arguments and result
-    as ``fn``; use under ``jax.jit``. ``arch``: the GPU's compute capability as an integer
-    (default: the first device's)."""
+    as ``fn``; use under ``jax.jit``. ``wait=False``: no ``griddepcontrol.wait``, for kernels
+    that wait for each other's results themselves (``GpuDecodeTuning(flags=True)``); any
+    other kernel would then read its inputs before they are written. ``arch``: the GPU's
+    compute capability as an integer (default: the first device's)."""
     if arch is None:
         arch = int(jax.devices()[0].compute_capability.replace(".", ""))
 
     def run(*args):
         closed, shape = jax.make_jaxpr(fn, return_shape=True)(*args)
-        runner = _Runner(pdl, arch)
+        runner = _Runner(pdl, wait, arch)
         outs = runner.eval(closed.jaxpr, closed.consts, jax.tree.leaves(args))
         return jax.tree.unflatten(jax.tree.structure(shape), [runner.ready(x) for x in outs])
 
