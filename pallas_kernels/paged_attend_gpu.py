@@ -37,8 +37,6 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from sparrow_jax.attention.selection import MIN_BUDGET_PAGES
-
 # Finite, so that a fully masked block cannot turn the running max into NaN.
 _MASK_VALUE = -0.7 * float(jnp.finfo(jnp.float32).max)
 
@@ -272,28 +270,17 @@ def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pag
     return shares, jnp.cumsum(shares) - shares
 
 
-def _list_counts(ref, *, table, kv_heads, page_size, budget_ref=None, max_pages=None):
+def _list_counts(ref, *, table, kv_heads, page_size):
     """(index ``[Npad]``, n, counts ``[Npad]``): the pages of every (row, KV head) list, padded
     to a power of two with zeros; read from the lists' counts ``[B * Hkv]``, or for page
-    tables (``table``) from the rows' lengths ``[B]``, or, given ``budget_ref``, from the rows'
-    lengths and budgets ``[B]`` as the selection will choose them (:func:`list_count`)."""
-    n = ref.shape[0] * (kv_heads if table or budget_ref is not None else 1)
+    tables (``table``) from the rows' lengths ``[B]``."""
+    n = ref.shape[0] * (kv_heads if table else 1)
     idx = lax.broadcasted_iota(jnp.int32, (pow2(n),), 0)
-    if not table and budget_ref is None:
+    if not table:
         return idx, n, plgpu.load(ref.at[pl.ds(0, pow2(n))], mask=idx < n, other=0)
-    row = jnp.minimum(idx // kv_heads, ref.shape[0] - 1)
-    lengths = plgpu.load(ref.at[row], mask=idx < n, other=0)
-    if budget_ref is None:
-        return idx, n, (lengths + page_size - 1) // page_size
-    budgets = plgpu.load(budget_ref.at[row], mask=idx < n, other=0)
-    return idx, n, list_count(lengths, budgets, page_size=page_size, max_pages=max_pages)
-
-
-def list_count(length, budget, *, page_size, max_pages):
-    """Pages in a row's list: all of its pages when its budget (clipped to ``[3, max_pages]``)
-    covers them, else the budget: what the selection chooses, known before it runs."""
-    n = (length + page_size - 1) // page_size
-    return jnp.minimum(n, jnp.clip(budget, MIN_BUDGET_PAGES, max_pages))
+    lengths = plgpu.load(ref.at[jnp.minimum(idx // kv_heads, ref.shape[0] - 1)], mask=idx < n,
+                         other=0)
+    return idx, n, (lengths + page_size - 1) // page_size
 
 
 def _pick(idx, i, values):
@@ -301,63 +288,27 @@ def _pick(idx, i, values):
     return jnp.sum(jnp.where(idx == i, values, 0))
 
 
-# Reads of a flag by a waiting program (an atomic each, ~1 us): far more than a step takes, so
-# that a flag never raised gives a wrong result, which the tests see, and not a hung GPU.
-WAIT_LIMIT = 1 << 22
-
-
-def wait_for(flags_ref, at, target):
-    """Spin until ``flags_ref[at] >= target``. The reads are acquire-release atomics, so what
-    was stored before the releases that raised the flag is seen after. GPU only: interpret
-    mode runs programs one after another (and cannot discharge an atomic inside a loop)."""
-    def read(carry):
-        _, tries = carry
-        return plgpu.atomic_add(flags_ref, at, jnp.zeros((), jnp.int32)), tries + 1
-
-    lax.while_loop(lambda c: (c[0] < target) & (c[1] < WAIT_LIMIT), read,
-                   (jnp.asarray(target, jnp.int32) - 1, jnp.int32(0)))
-
-
-def raise_flag(flags_ref, at, *, barrier):
-    """Adds one to ``flags_ref[at]`` once every thread of the program has stored its results
-    (the block barrier; none in interpret mode), releasing them to whoever acquires the flag."""
-    if barrier:
-        plgpu.debug_barrier()
-    return plgpu.atomic_add(flags_ref, at, jnp.ones((), jnp.int32))
-
-
 def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_heads, programs,
-                            barrier, max_pages=None, **settings):
+                            barrier, **settings):
     """Program p: split ``p - starts[i]`` of list i, the list whose programs hold p (none past
     the shares' sum: an empty result, no arrival); its partial result written at p, then its
     arrival counted on list i, and the list's last program to arrive merges the list's
     partials into ``out`` (stream-K style: no second launch). Lists: refs = (slots, counts,
-    lengths, arrivals, out, o, m, l, arrivals out); lists with flags (``max_pages`` given):
-    (slots, budgets, lengths, flags, out, o, m, l, flags out), the counts known from the
-    lengths and budgets, each program waiting for its list's ready flag (flags ``[3 * n]``:
-    the selection's are ``n .. 2n - 1``, the arrivals ``2n ..``); page tables: (lengths,
-    arrivals, out, o, m, l, arrivals out)."""
-    budget_ref = None
+    lengths, arrivals, out, o, m, l, arrivals out); page tables: (lengths, arrivals, out, o,
+    m, l, arrivals out)."""
     if table:
         slot_ref, (len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref) = None, refs
         counts_ref = len_ref
-    elif max_pages is None:
-        slot_ref, counts_ref, len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref = refs
     else:
-        slot_ref, budget_ref, len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref = refs
-        counts_ref = len_ref
+        slot_ref, counts_ref, len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref = refs
     idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
-                                 page_size=settings["page_size"], budget_ref=budget_ref,
-                                 max_pages=max_pages)
+                                 page_size=settings["page_size"])
     shares, starts = list_shares(count, idx < n, programs=programs,
                                  block_pages=settings["block_pages"])
     p = pl.program_id(0)
     i = jnp.sum(jnp.where((idx < n) & (starts + shares <= p), 1, 0))   # n: no list
     row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
     start, share = _pick(idx, i, starts), _pick(idx, i, shares)
-    if budget_ref is not None and barrier:
-        wait_for(arrivals_ref, n + jnp.minimum(i, n - 1),
-                 jnp.where(i < n, jnp.int32(1), jnp.int32(0)))
     _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row],
             o_ref, m_ref, l_ref, splits=jnp.maximum(share, 1),
             at=(row, i % kv_heads, p - start), part_at=(p,), **settings)
@@ -369,8 +320,9 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
         # loads, past the SM's L1, which may hold lines of partials read before they were
         # written (a line holds several programs' maxima). Interpret mode runs the programs
         # one after another and has no barrier.
-        arrived = raise_flag(arrivals_ref, i + (2 * n if budget_ref is not None else 0),
-                             barrier=barrier)
+        if barrier:
+            plgpu.debug_barrier()
+        arrived = plgpu.atomic_add(arrivals_ref, i, jnp.ones((), jnp.int32))
 
         @pl.when(arrived == share - 1)
         def _():
@@ -434,18 +386,6 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
                           name="sparse_decode_attend_balanced")
 
 
-def attend_flagged_lists(q, k_pages, v_pages, phys, slots, budget_pages, lengths, flags, *,
-                         page_size, max_pages, tuning, programs=None, interpret=False):
-    """:func:`attend_page_lists_balanced` on lists whose selection raises a ready flag each
-    (``flags [3 * B * Hkv]``, :func:`pallas_kernels.sparse_decode_gpu.select_from_keys` with
-    flags): the shares come from the lengths and budgets ``[B]``, and each program waits for
-    its list's flag, so the launch may start before the selection has ended."""
-    return _balanced_call(q, k_pages, v_pages, [phys, slots, budget_pages], lengths,
-                          table=False, page_size=page_size, tuning=tuning,
-                          programs=programs, interpret=interpret, arrivals=flags,
-                          max_pages=max_pages, name="sparse_decode_attend_flagged")
-
-
 def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
                           programs=None, interpret=False):
     """As :func:`attend_table`, the programs shared out as :func:`attend_page_lists_balanced`
@@ -457,7 +397,7 @@ def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size
 
 
 def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tuning, programs,
-                   interpret, name, arrivals=None, max_pages=None):
+                   interpret, name):
     """The balanced attention, merge included: one launch, grid ``(programs,)``; ``lists``:
     the page lists, their slots and counts, or the page table (whose lists' pages
     :func:`_list_counts` reads from the lengths). The partial results and the arrival counts
@@ -470,8 +410,7 @@ def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tun
     rows = group + (group < rpad)
     programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), b * hkv)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
-    if arrivals is None:
-        arrivals = jnp.zeros((b * hkv,), jnp.int32)
+    arrivals = jnp.zeros((b * hkv,), jnp.int32)
     ins = [q, k_pages, v_pages, *lists, lengths, arrivals]
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
@@ -480,7 +419,7 @@ def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tun
             jax.ShapeDtypeStruct(arrivals.shape, arrivals.dtype)]
     out, *_ = pl.pallas_call(
         functools.partial(_balanced_attend_kernel, table=table, kv_heads=hkv, programs=programs,
-                          barrier=not interpret, max_pages=max_pages,
+                          barrier=not interpret,
                           page_size=page_size, block_pages=tuning.block_pages, group=group,
                           rpad=rpad, scale=d ** -0.5),
         grid=(programs,),

@@ -43,9 +43,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.paged_attend_gpu import (attend_flagged_lists, attend_page_lists,
-                                             default_splits, group_queries, pow2, raise_flag,
-                                             wait_for)
+from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
+                                             pow2)
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
 from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
 
@@ -115,12 +114,6 @@ class GpuDecodeTuning:
       idle. H100, 32K, budget 2048: one long row beside finished ones 37 -> 28 us a layer at
       batch 19, 55 -> 26 at 32; every row long, the step +2.3% at batch 19, +3.7% at 32
       (BENCHMARKS.md, run O).
-    flags: scoring, selection and the balanced attention tell each other what is done through
-      flags in memory (a list's scoring programs done, its list ready) instead of by launch
-      order, so that, launched as one chain with programmatic dependent launch
-      (:func:`pallas_kernels.cubin_chain.as_chain` with ``wait=False``), each kernel's
-      programs start before the previous kernel has ended (``splits`` and ``balanced``
-      unused).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -130,7 +123,6 @@ class GpuDecodeTuning:
     attend_warps: int = 2
     attend_stages: int = 1
     balanced: bool | None = None
-    flags: bool = False
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -144,17 +136,10 @@ class GpuDecodeTuning:
         return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced)
 
 
-def _score_kernel(q_ref, cent_ref, table_ref, len_ref, *refs, page_size, chunk, group,
-                  barrier=True):
+def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
     """Grid (B, Hkv, Mpad / C): q ``[Hq, D]`` (this row), centroids ``[N, D]`` (this KV head),
-    table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``; refs = (keys,), or
-    with flags (flags, keys, flags out), grid (Mpad / C, Hkv, B): the chunks first, so that the
-    GPU, which starts programs in grid order, finishes one list's scoring after another, and
-    each program counts itself done on its list's flag (``flags[b * Hkv + h]``) once its keys
-    are stored."""
-    key_ref, flags_ref = (refs[1], refs[2]) if len(refs) == 3 else (refs[0], None)
-    b, h, c = (pl.program_id(0), pl.program_id(1), pl.program_id(2)) if flags_ref is None else (
-        pl.program_id(2), pl.program_id(1), pl.program_id(0))
+    table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
+    h, c = pl.program_id(1), pl.program_id(2)
     n = (len_ref[0] + page_size - 1) // page_size
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
     eligible = (slot >= 1) & (slot < n - 2)
@@ -183,31 +168,16 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, *refs, page_size, chunk, 
         score = jnp.sum(cent * qbar[None, :], axis=1)
         key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
-    if flags_ref is not None:
-        raise_flag(flags_ref, b * pl.num_programs(1) + h, barrier=barrier)
-
 
 def _count(mask: jax.Array) -> jax.Array:
     return jnp.sum(mask.astype(jnp.int32))
 
 
-def _select_kernel(key_ref, table_ref, len_ref, budget_ref, *refs, page_size, max_pages,
-                   chunks=None, barrier=True):
+def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
+                   page_size, max_pages):
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
-    the second half is never written on GPU) and the count ``[1]``; refs = (phys, slots,
-    count), or with flags (``chunks`` given: flags, phys, slots, count, flags out): the program
-    first waits until the list's ``chunks`` scoring programs are done (``flags[i]``), reads
-    the keys past the SM's L1, and raises the list's ready flag (``flags[n + i]``) at the end."""
-    flags_ref = None
-    if chunks is None:
-        phys_ref, slot_ref, count_ref = refs
-    else:
-        _, phys_ref, slot_ref, count_ref, flags_ref = refs
-        lists = pl.num_programs(0) * pl.num_programs(1)
-        i = pl.program_id(0) * pl.num_programs(1) + pl.program_id(1)
-        if barrier:
-            wait_for(flags_ref, i, chunks)
+    the second half is never written on GPU) and the count ``[1]``."""
     n = (len_ref[0] + page_size - 1) // page_size
     mpad = table_ref.shape[0]
     kpad = phys_ref.shape[0] // 2
@@ -258,8 +228,7 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, *refs, page_size, ma
     def select(size):
         """The page list from the first ``size`` slots, which hold the row's pages (and
         ``size >= Kpad``, so every list entry gets a value): the same as from all ``Mpad``."""
-        keys = (key_ref[pl.ds(0, size)] if flags_ref is None else
-                plgpu.load(key_ref.at[pl.ds(0, size)], volatile=True))
+        keys = key_ref[pl.ds(0, size)]
         table = table_ref[pl.ds(0, size)]
         idx = lax.broadcasted_iota(jnp.int32, (size,), 0)
         # No search when the budget covers the row (traced values: the Triton lowering
@@ -295,8 +264,6 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, *refs, page_size, ma
     sizes = [1 << e for e in range(smallest.bit_length() - 1, mpad.bit_length() - 1)] + [mpad]
     which = sum((n > size).astype(jnp.int32) for size in sizes[:-1])
     lax.switch(which, [functools.partial(select, size) for size in sizes])
-    if flags_ref is not None:
-        raise_flag(flags_ref, lists + i, barrier=barrier)
 
 
 def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
@@ -413,96 +380,53 @@ def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_s
                             max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret)
 
 
-def _whole(x):
-    return pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
-
-
 def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
-               interpret=False, flags=None):
+               interpret=False):
     """The scoring kernel alone: q ``[B, Hq, D]``, table ``[B, Mpad]`` (padded,
-    :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`); given
-    ``flags [3 * B * Hkv]``, (keys, flags) with each list's scoring programs counted."""
+    :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
     b, hq, d = q.shape
     hkv, n_total = centroids.shape[:2]
     mpad = table.shape[1]
     chunk = tuning.score_chunk
-    extra = [] if flags is None else [flags]
-    keys = jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32)
-    if flags is None:
-        grid, at = (b, hkv, mpad // chunk), lambda f: lambda bi, hi, ci: f(bi, hi, ci)
-    else:
-        grid, at = (mpad // chunk, hkv, b), lambda f: lambda ci, hi, bi: f(bi, hi, ci)
-    keys_spec = pl.BlockSpec((None, None, chunk), at(lambda bi, hi, ci: (bi, hi, ci)))
-    out = pl.pallas_call(
-        functools.partial(_score_kernel, page_size=page_size, chunk=chunk, group=hq // hkv,
-                          barrier=not interpret),
-        grid=grid,
-        in_specs=[pl.BlockSpec((None, hq, d), at(lambda bi, hi, ci: (bi, 0, 0))),
-                  pl.BlockSpec((None, n_total, d), at(lambda bi, hi, ci: (hi, 0, 0))),
-                  pl.BlockSpec((None, chunk), at(lambda bi, hi, ci: (bi, ci))),
-                  pl.BlockSpec((1,), at(lambda bi, hi, ci: (bi,))), *map(_whole, extra)],
-        out_specs=keys_spec if flags is None else [keys_spec, _whole(flags)],
-        out_shape=keys if flags is None else [keys, jax.ShapeDtypeStruct(flags.shape,
-                                                                          flags.dtype)],
-        input_output_aliases={} if flags is None else {4: 1},
+    return pl.pallas_call(
+        functools.partial(_score_kernel, page_size=page_size, chunk=chunk, group=hq // hkv),
+        grid=(b, hkv, mpad // chunk),
+        in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, ci: (bi, 0, 0)),
+                  pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
+                  pl.BlockSpec((None, chunk), lambda bi, hi, ci: (bi, ci)),
+                  pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
+        out_specs=pl.BlockSpec((None, None, chunk), lambda bi, hi, ci: (bi, hi, ci)),
+        out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.score_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
-    )(q, centroids, table, lengths, *extra)
-    return out if flags is None else tuple(out)
+    )(q, centroids, table, lengths)
 
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
-                     tuning=GpuDecodeTuning(), interpret=False, flags=None):
+                     tuning=GpuDecodeTuning(), interpret=False):
     """The selection kernel alone: keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]`` -> the lists of
-    :func:`select_page_lists`; given the scoring's ``flags``, (phys, slots, count, flags),
-    each list waiting for its scoring and raising its ready flag."""
+    :func:`select_page_lists`."""
     b, hkv, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
-    extra = [] if flags is None else [flags]
-    chunks = None if flags is None else mpad // tuning.score_chunk
     return pl.pallas_call(
-        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
-                          chunks=chunks, barrier=not interpret),
+        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages),
         grid=(b, hkv),
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
-                  row, row, *map(_whole, extra)],
-        out_specs=[out(), out(), pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0)),
-                   *map(_whole, extra)],
+                  row, row],
+        out_specs=[out(), out(), pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))],
         out_shape=[jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
                    jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
-                   jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32),
-                   *(jax.ShapeDtypeStruct(f.shape, f.dtype) for f in extra)],
-        input_output_aliases={} if flags is None else {4: 3},
+                   jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_select",
-    )(keys, table, lengths, budget_pages, *extra)
-
-
-def _flagged_step(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
-                  page_size, max_pages, tuning, interpret):
-    """The three kernels with flags (``GpuDecodeTuning.flags``)."""
-    mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
-    table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    flags = jnp.zeros((3 * q.shape[0] * centroids.shape[0],), jnp.int32)
-    keys, flags = score_keys(q, centroids, table, lengths, page_size=page_size, tuning=tuning,
-                             interpret=interpret, flags=flags)
-    phys, slots, _, flags = select_from_keys(
-        keys, table, lengths, budget_pages, page_size=page_size, max_pages=max_pages,
-        kpad=kpad, tuning=tuning, interpret=interpret, flags=flags)
-    return attend_flagged_lists(q, k_pages, v_pages, phys, slots, budget_pages, lengths, flags,
-                                page_size=page_size, max_pages=max_pages, tuning=tuning,
-                                interpret=interpret)
+    )(keys, table, lengths, budget_pages)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
-    if tuning.flags:
-        return _flagged_step(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages,
-                             page_size=page_size, max_pages=max_pages, tuning=tuning,
-                             interpret=interpret)
     phys, slots, count = select_page_lists(
         q, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, tuning=tuning, interpret=interpret)

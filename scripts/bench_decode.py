@@ -88,11 +88,10 @@ def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
     attend_warps=4)); 'a1': the balanced attention."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
-                 t="select_warps", g="attend_stages", v="score_warps", a="balanced", f="flags")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvaf])(\d+)", spec)}
-    for flag in ("balanced", "flags"):
-        if flag in kw:
-            kw[flag] = bool(kw[flag])
+                 t="select_warps", g="attend_stages", v="score_warps", a="balanced")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgva])(\d+)", spec)}
+    if "balanced" in kw:
+        kw["balanced"] = bool(kw["balanced"])
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -292,11 +291,6 @@ def main(argv=None):
                     help="also trace each kernel variant's chained calls once: its device time "
                          "per call by kernel (CUDA graphs off for the whole run, as in "
                          "scripts/profile_step.py: compare times within the run)")
-    ap.add_argument("--own-launcher", action="store_true",
-                    help="also run each kernel config's kernels through our own launcher "
-                         "(pallas_kernels/cubin_chain.py: one custom call for the step), "
-                         "without and with programmatic dependent launch; configs with flags "
-                         "(f1) as one chain whose kernels start early and wait on the flags")
     ap.add_argument("--loops", nargs="+", choices=("fori", "unrolled"), default=["fori"],
                     help="how the chained calls are timed: an XLA while loop (its own "
                          "per-iteration cost in each call) and/or written out in one program")
@@ -383,17 +377,6 @@ def main(argv=None):
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
-                    if args.own_launcher:
-                        from pallas_kernels.cubin_chain import as_chain
-                        chains = ({"_chain_flags": as_chain(fn, pdl=True, wait=False)}
-                                  if tuning.flags else
-                                  {"_chain": as_chain(fn, pdl=False),
-                                   "_chain_pdl": as_chain(fn, pdl=True)})
-                        for suffix, chain_fn in chains.items():
-                            cases[f"{name}{suffix}@{budget_tokens}"] = (
-                                budget_tokens, chain_fn,
-                                (q, k_pages, v_pages, centroids, table, lengths, budgets),
-                                sparse_bytes)
                 for name, tuning in triton_variants:
                     fn = functools.partial(
                         lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_triton(
