@@ -176,7 +176,7 @@ def table_splits(batch: int, kv_heads: int, width: int, block_pages: int) -> int
 
 
 def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size, tuning,
-                      interpret=False):
+                      interpret=False, arrivals=None):
     """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists
     of :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype; ``tuning``
     resolved (:meth:`GpuDecodeTuning.resolve`); ``tuning.balanced``:
@@ -184,7 +184,7 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
     if tuning.balanced:
         return attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
                                           page_size=page_size, tuning=tuning,
-                                          interpret=interpret)
+                                          interpret=interpret, arrivals=arrivals)
     list_spec = pl.BlockSpec((None, None, phys.shape[-1]), lambda bi, hi, si: (bi, hi, 0))
     count_spec = pl.BlockSpec((None, None, 1), lambda bi, hi, si: (bi, hi, 0))
     return _attend_call(_attend_kernel, q, k_pages, v_pages, [list_spec, list_spec, count_spec],
@@ -375,7 +375,7 @@ def _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, *, kv_heads, prog
 
 
 def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size,
-                               tuning, programs=None, interpret=False):
+                               tuning, programs=None, interpret=False, arrivals=None):
     """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
     programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
     least one a list), each list merged by its last program."""
@@ -383,7 +383,7 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
     return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], lengths,
                           table=False, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
-                          name="sparse_decode_attend_balanced")
+                          name="sparse_decode_attend_balanced", arrivals=arrivals)
 
 
 def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
@@ -397,7 +397,7 @@ def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size
 
 
 def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tuning, programs,
-                   interpret, name):
+                   interpret, name, arrivals=None):
     """The balanced attention, merge included: one launch, grid ``(programs,)``; ``lists``:
     the page lists, their slots and counts, or the page table (whose lists' pages
     :func:`_list_counts` reads from the lengths). The partial results and the arrival counts
@@ -410,7 +410,8 @@ def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tun
     rows = group + (group < rpad)
     programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), b * hkv)
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
-    arrivals = jnp.zeros((b * hkv,), jnp.int32)
+    if arrivals is None:
+        arrivals = jnp.zeros((b * hkv,), jnp.int32)
     ins = [q, k_pages, v_pages, *lists, lengths, arrivals]
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype),
             jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),

@@ -123,6 +123,9 @@ class GpuDecodeTuning:
     attend_warps: int = 2
     attend_stages: int = 1
     balanced: bool | None = None
+    select_search: str = "bits"
+    select_flat: bool = False
+    fold_arrivals: bool = False
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -173,8 +176,8 @@ def _count(mask: jax.Array) -> jax.Array:
     return jnp.sum(mask.astype(jnp.int32))
 
 
-def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref, *,
-                   page_size, max_pages):
+def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref,
+                   *arrivals_ref, page_size, max_pages, search_kind="bits", flat=False):
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
     the second half is never written on GPU) and the count ``[1]``."""
@@ -203,8 +206,23 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
             count = _count(keys >= cand)
             return bit - 1, jnp.where(count >= k, cand, t), count == k
 
-        _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
-                                 (jnp.int32(30), t, first == k))
+        if search_kind == "bits":
+            _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
+                                     (jnp.int32(30), t, first == k))
+        else:
+            def round3(carry):
+                lo, hi, _ = carry
+                third = (hi - lo) // 3
+                c1, c2 = lo + third + 1, hi - third
+                both = jnp.sum((keys >= c1).astype(jnp.int32)
+                               + lax.shift_left((keys >= c2).astype(jnp.int32), 16))
+                n1, n2 = both & 0xFFFF, lax.shift_right_logical(both, 16)
+                up2, up1 = n2 >= k, n1 >= k
+                lo = jnp.where(up2, c2, jnp.where(up1, c1, lo))
+                hi = jnp.where(up2, hi, jnp.where(up1, c2 - 1, c1 - 1))
+                return lo, hi, jnp.where(up2, n2 == k, n1 == k)
+            t, _, _ = lax.while_loop(lambda c: (c[1] > c[0]) & ~c[2], round3,
+                                     (t, t + _INT_MAX, first == k))
         need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
         equal = keys == t
         size = keys.shape[0]
@@ -228,9 +246,14 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     def select(size):
         """The page list from the first ``size`` slots, which hold the row's pages (and
         ``size >= Kpad``, so every list entry gets a value): the same as from all ``Mpad``."""
-        keys = key_ref[pl.ds(0, size)]
-        table = table_ref[pl.ds(0, size)]
         idx = lax.broadcasted_iota(jnp.int32, (size,), 0)
+        if flat:
+            at = jnp.minimum(idx, size - 1)
+            keys = plgpu.load(key_ref.at[at])
+            table = plgpu.load(table_ref.at[at])
+        else:
+            keys = key_ref[pl.ds(0, size)]
+            table = table_ref[pl.ds(0, size)]
         # No search when the budget covers the row (traced values: the Triton lowering
         # cannot yield a literal from a cond).
         skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
@@ -256,6 +279,8 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
         plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
         plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
         count_ref[...] = jnp.full((1,), total, jnp.int32)
+        if arrivals_ref:
+            arrivals_ref[0][...] = jnp.zeros((1,), jnp.int32)
 
     # The selection runs over the smallest power of two of slots (256 at least) holding the
     # row's pages, a branch per size: its cost follows the row's length, not the table's
@@ -409,16 +434,20 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
     b, hkv, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
+    one = lambda: pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))
+    fold = tuning.fold_arrivals
     return pl.pallas_call(
-        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages),
+        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
+                          search_kind=tuning.select_search, flat=tuning.select_flat),
         grid=(b, hkv),
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
                   row, row],
-        out_specs=[out(), out(), pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))],
+        out_specs=[out(), out(), one()] + [one()] * fold,
         out_shape=[jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
                    jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
-                   jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)],
+                   jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)]
+                  + [jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)] * fold,
         compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_select",
     )(keys, table, lengths, budget_pages)
@@ -427,8 +456,9 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
-    phys, slots, count = select_page_lists(
+    phys, slots, count, *arrivals = select_page_lists(
         q, centroids, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, tuning=tuning, interpret=interpret)
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
-                             page_size=page_size, tuning=tuning, interpret=interpret)
+                             page_size=page_size, tuning=tuning, interpret=interpret,
+                             arrivals=arrivals[0].reshape(-1) if arrivals else None)
