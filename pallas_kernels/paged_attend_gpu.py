@@ -180,7 +180,8 @@ def attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths, *, page_
     """Attention kernel and split merge: q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, the lists
     of :func:`select_page_lists`, lengths ``[B]`` -> ``[B, Hq, D]`` in q's dtype; ``tuning``
     resolved (:meth:`GpuDecodeTuning.resolve`); ``tuning.balanced``:
-    :func:`attend_page_lists_balanced`."""
+    :func:`attend_page_lists_balanced` (``arrivals``: its zeroed counters, if the caller has
+    them)."""
     if tuning.balanced:
         return attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
                                           page_size=page_size, tuning=tuning,
@@ -378,12 +379,14 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
                                tuning, programs=None, interpret=False, arrivals=None):
     """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
     programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
-    least one a list), each list merged by its last program."""
-    counts = count.reshape(-1)
-    return _balanced_call(q, k_pages, v_pages, [phys, slots, counts], lengths,
+    least one a list), each list merged by its last program. ``arrivals``: the lists' arrival
+    counters, zeros of ``count``'s shape (the selection's, see
+    :func:`~pallas_kernels.sparse_decode_gpu.select_page_lists`); None: zeros made here."""
+    return _balanced_call(q, k_pages, v_pages, [phys, slots, count.reshape(-1)], lengths,
                           table=False, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
-                          name="sparse_decode_attend_balanced", arrivals=arrivals)
+                          name="sparse_decode_attend_balanced",
+                          arrivals=None if arrivals is None else arrivals.reshape(-1))
 
 
 def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
@@ -402,7 +405,8 @@ def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tun
     the page lists, their slots and counts, or the page table (whose lists' pages
     :func:`_list_counts` reads from the lengths). The partial results and the arrival counts
     are outputs only because a Pallas GPU kernel has no global scratch; the counts start at
-    zero each call."""
+    zero each call: ``arrivals`` if given (``[lists]`` zeros), else zeros from XLA (a launch
+    of its own)."""
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv

@@ -10,7 +10,9 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
    chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
    page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
-   are compacted in page order (a prefix sum) into a page list.
+   are compacted in page order (a prefix sum) into a page list. In the sparse step it also
+   zeroes the balanced attention's arrival counter of its list, which would otherwise be an
+   XLA launch of its own.
    The selection covers the smallest power of two of slots (256 at least) that holds the row's
    pages, and its searches are skipped when the budget covers the row; scoring programs past
    the row's pages only mark their slots. So a short row costs about the same whatever the
@@ -29,7 +31,9 @@ layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settin
 speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured on the H100
 and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
 rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
-61279f7, where they can be found.
+61279f7, where they can be found; a ternary threshold search (two counts a round packed in one
+sum) and element-wise key loads (no layout conversion before the scattered stores), after
+a18cf70.
 """
 
 from __future__ import annotations
@@ -123,9 +127,6 @@ class GpuDecodeTuning:
     attend_warps: int = 2
     attend_stages: int = 1
     balanced: bool | None = None
-    select_search: str = "bits"
-    select_flat: bool = False
-    fold_arrivals: bool = False
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -177,10 +178,11 @@ def _count(mask: jax.Array) -> jax.Array:
 
 
 def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, count_ref,
-                   *arrivals_ref, page_size, max_pages, search_kind="bits", flat=False):
+                   *arrivals_ref, page_size, max_pages):
     """Grid (B, Hkv): keys ``[Mpad]``, table ``[Mpad]``, length, budget -> the page list
     (physical and logical, each ``[2 * Kpad]``: entries ``count .. Kpad-1`` repeat the last page,
-    the second half is never written on GPU) and the count ``[1]``."""
+    the second half is never written on GPU), the count ``[1]`` and, if asked, a zero ``[1]``
+    (the balanced attention's arrival counter of this list)."""
     n = (len_ref[0] + page_size - 1) // page_size
     mpad = table_ref.shape[0]
     kpad = phys_ref.shape[0] // 2
@@ -206,23 +208,8 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
             count = _count(keys >= cand)
             return bit - 1, jnp.where(count >= k, cand, t), count == k
 
-        if search_kind == "bits":
-            _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
-                                     (jnp.int32(30), t, first == k))
-        else:
-            def round3(carry):
-                lo, hi, _ = carry
-                third = (hi - lo) // 3
-                c1, c2 = lo + third + 1, hi - third
-                both = jnp.sum((keys >= c1).astype(jnp.int32)
-                               + lax.shift_left((keys >= c2).astype(jnp.int32), 16))
-                n1, n2 = both & 0xFFFF, lax.shift_right_logical(both, 16)
-                up2, up1 = n2 >= k, n1 >= k
-                lo = jnp.where(up2, c2, jnp.where(up1, c1, lo))
-                hi = jnp.where(up2, hi, jnp.where(up1, c2 - 1, c1 - 1))
-                return lo, hi, jnp.where(up2, n2 == k, n1 == k)
-            t, _, _ = lax.while_loop(lambda c: (c[1] > c[0]) & ~c[2], round3,
-                                     (t, t + _INT_MAX, first == k))
+        _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
+                                 (jnp.int32(30), t, first == k))
         need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
         equal = keys == t
         size = keys.shape[0]
@@ -246,14 +233,9 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     def select(size):
         """The page list from the first ``size`` slots, which hold the row's pages (and
         ``size >= Kpad``, so every list entry gets a value): the same as from all ``Mpad``."""
+        keys = key_ref[pl.ds(0, size)]
+        table = table_ref[pl.ds(0, size)]
         idx = lax.broadcasted_iota(jnp.int32, (size,), 0)
-        if flat:
-            at = jnp.minimum(idx, size - 1)
-            keys = plgpu.load(key_ref.at[at])
-            table = plgpu.load(table_ref.at[at])
-        else:
-            keys = key_ref[pl.ds(0, size)]
-            table = table_ref[pl.ds(0, size)]
         # No search when the budget covers the row (traced values: the Triton lowering
         # cannot yield a literal from a cond).
         skip = lambda: (jnp.maximum(n, jnp.int32(_INT_MAX)), k * 0, k * 0)
@@ -279,8 +261,8 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
         plgpu.store(phys_ref.at[dest], jnp.where(sel, table, last_phys), mask=keep)
         plgpu.store(slot_ref.at[dest], jnp.where(sel, idx, last), mask=keep)
         count_ref[...] = jnp.full((1,), total, jnp.int32)
-        if arrivals_ref:
-            arrivals_ref[0][...] = jnp.zeros((1,), jnp.int32)
+        for ref in arrivals_ref:
+            ref[...] = jnp.zeros((1,), jnp.int32)
 
     # The selection runs over the smallest power of two of slots (256 at least) holding the
     # row's pages, a branch per size: its cost follows the row's length, not the table's
@@ -389,12 +371,15 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
 
 
 def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
-                      tuning=GpuDecodeTuning(), interpret=False):
+                      tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
     """Scoring and selection kernels: q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, 2 * Kpad]``,
     slots ``[B, Hkv, 2 * Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each
     (sequence, KV head) in page order, as physical pages and as slots of the sequence; entries
-    from count to Kpad - 1 repeat the last page, those from Kpad on are junk (never read)."""
+    from count to Kpad - 1 repeat the last page, those from Kpad on are junk (never read).
+    ``arrivals``: a fourth output, zeros ``[B, Hkv, 1]`` written by the selection programs, the
+    balanced attention's arrival counters (which would otherwise take an XLA launch of their
+    own each layer; H100 at 32K: 0.9 us of device time and a launch gap)."""
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=centroids.shape[0],
                             max_pages=max_pages)
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
@@ -402,7 +387,8 @@ def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_s
     keys = score_keys(q, centroids, table, lengths, page_size=page_size, tuning=tuning,
                       interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
-                            max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret)
+                            max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret,
+                            arrivals=arrivals)
 
 
 def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
@@ -428,26 +414,23 @@ def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTunin
 
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
-                     tuning=GpuDecodeTuning(), interpret=False):
+                     tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
     """The selection kernel alone: keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]`` -> the lists of
-    :func:`select_page_lists`."""
+    :func:`select_page_lists` (and its ``arrivals``)."""
     b, hkv, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
-    one = lambda: pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))
-    fold = tuning.fold_arrivals
+    one = pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))
+    ones = [jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)] * (1 + arrivals)
     return pl.pallas_call(
-        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages,
-                          search_kind=tuning.select_search, flat=tuning.select_flat),
+        functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages),
         grid=(b, hkv),
         in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
                   row, row],
-        out_specs=[out(), out(), one()] + [one()] * fold,
+        out_specs=[out(), out()] + [one] * len(ones),
         out_shape=[jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
-                   jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32),
-                   jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)]
-                  + [jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)] * fold,
+                   jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32), *ones],
         compiler_params=plgpu.CompilerParams(num_warps=tuning.select_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_select",
     )(keys, table, lengths, budget_pages)
@@ -458,7 +441,7 @@ def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_p
                    page_size, max_pages, tuning, interpret):
     phys, slots, count, *arrivals = select_page_lists(
         q, centroids, page_table, lengths, budget_pages, page_size=page_size,
-        max_pages=max_pages, tuning=tuning, interpret=interpret)
+        max_pages=max_pages, tuning=tuning, interpret=interpret, arrivals=tuning.balanced)
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret,
-                             arrivals=arrivals[0].reshape(-1) if arrivals else None)
+                             arrivals=arrivals[0] if arrivals else None)

@@ -83,9 +83,28 @@ def test_a_long_row_beside_finished_ones(programs):
     assert (got[3] == 0).all()
 
 
+def test_the_selection_hands_over_the_arrival_counters():
+    """``arrivals=True`` adds the zeroed counters as a fourth output and leaves the lists as
+    they were. (Interpret mode zero-fills outputs; on a GPU a counter the selection left
+    unwritten would make the whole-step test below fail.)"""
+    rng = np.random.default_rng(12)
+    q, _, _, cent, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=4, d=64,
+                                              dtype=jnp.bfloat16)
+    budgets = jnp.asarray(KERNEL_BUDGETS, jnp.int32)
+    kw = dict(page_size=P, max_pages=table.shape[1], interpret=INTERPRET)
+    lists = select_page_lists(q, cent, table, lengths, budgets, **kw)
+    *same, arrivals = select_page_lists(q, cent, table, lengths, budgets, arrivals=True, **kw)
+    kpad = lists[0].shape[-1] // 2      # entries from Kpad on are never read
+    for want, got in zip(lists, same):
+        np.testing.assert_array_equal(np.asarray(got)[..., :kpad], np.asarray(want)[..., :kpad])
+    assert arrivals.shape == lists[2].shape and arrivals.dtype == jnp.int32
+    assert (np.asarray(arrivals) == 0).all()
+
+
 def test_the_whole_step_with_balanced_tuning():
     """``GpuDecodeTuning(balanced=True)`` routes the sparse step's attention through it:
-    score, select, attend and merge against the float64 reference."""
+    score, select (which also zeroes the attention's arrival counters), attend and merge
+    against the float64 reference."""
     rng = np.random.default_rng(11)
     q, k, v, cent, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=4, d=64,
                                               dtype=jnp.bfloat16)
