@@ -1,0 +1,37 @@
+"""scripts/inspect_kernels.py on a CPU-only host: the sparse step lowered for an H100, compiled
+by the triton package, and its cubins read back (registers, spills, SASS counts). Slow (three
+kernels through Triton's compiler); the GPU-side numbers are the lowering tests' to check."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+
+pytestmark = [pytest.mark.slow,
+              pytest.mark.skipif(importlib.util.find_spec("triton") is None,
+                                 reason="needs the triton package (its compiler and cuobjdump)")]
+
+
+def test_report_of_the_sparse_step(tmp_path):
+    import inspect_kernels
+
+    assert inspect_kernels.main(["--out", str(tmp_path), "--configs", "b4", "--batch", "2",
+                                 "--context", "4096", "--budget", "512"]) == 0
+    kernels = json.loads((tmp_path / "report.json").read_text())["kernels"]
+    assert sorted(kernels) == ["kernel_b4_sparse_decode_attend_balanced",
+                               "kernel_b4_sparse_decode_score",
+                               "kernel_b4_sparse_decode_select"]
+    for name, k in kernels.items():
+        assert 0 < k["registers"] <= 255 and k["local_bytes"] == 0, (name, k)
+        assert k["sass"]["instructions"] > 100 and (tmp_path / f"{name}.sass").exists()
+    # The selection's threshold search is a chain of block-wide counts, each with barriers;
+    # the balanced attention counts its arrivals with one atomic.
+    select = kernels["kernel_b4_sparse_decode_select"]["sass"]
+    assert select["BAR"] > kernels["kernel_b4_sparse_decode_score"]["sass"]["BAR"]
+    assert kernels["kernel_b4_sparse_decode_attend_balanced"]["sass"]["ATOMG"] >= 1
