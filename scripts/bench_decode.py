@@ -56,6 +56,25 @@ from sparrow_jax.attention.sparse import sparse_decode
 HQ, HKV, D, P = 32, 8, 128, 16
 
 
+def decode_inputs(b: int, ctx: int, order: np.ndarray):
+    """One benchmark case, every sequence at the full context ``ctx``: (q ``[b, HQ, D]``, K and
+    V pages ``[HKV, b * ctx / P, P, D]``, centroids ``[HKV, b * ctx / P, D]``, page table
+    ``[b, ctx / P]``: ``order``, the pool's pages in the rows' order, lengths ``[b]``)."""
+    m = ctx // P
+    n_total = b * m
+    kk, kv, kq, kt = jax.random.split(jax.random.key(ctx * 131 + b), 4)
+    k_pages = jax.random.normal(kk, (HKV, n_total, P, D), jnp.bfloat16)
+    # Page "topics" so that selection is far from uniform, as in real keys.
+    k_pages = (k_pages + 2 * jax.random.normal(kt, (HKV, n_total, 1, D), jnp.bfloat16))
+    v_pages = jax.random.normal(kv, (HKV, n_total, P, D), jnp.bfloat16)
+    # One KV head at a time: a float32 copy of the whole cache may not fit.
+    centroids = jnp.stack([jnp.mean(k_pages[i].astype(jnp.float32), axis=1)
+                           for i in range(HKV)]).astype(jnp.bfloat16)
+    table = jnp.asarray(order.reshape(b, m).astype(np.int32))
+    return (jax.random.normal(kq, (b, HQ, D), jnp.bfloat16), k_pages, v_pages, centroids,
+            table, jnp.full((b,), ctx, jnp.int32))
+
+
 def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, interpret=False):
     """Off-the-shelf pieces, for rows longer than the budget: XLA scores, ``lax.top_k`` of the
     eligible pages, the reserved pages, then JAX's Pallas paged attention with one "sequence" per
@@ -321,18 +340,8 @@ def main(argv=None):
         for b in args.batches:
             m = ctx // P
             n_total = b * m
-            kk, kv, kq, kt = jax.random.split(jax.random.key(ctx * 131 + b), 4)
-            k_pages = jax.random.normal(kk, (HKV, n_total, P, D), jnp.bfloat16)
-            # Page "topics" so that selection is far from uniform, as in real keys.
-            k_pages = (k_pages + 2 * jax.random.normal(kt, (HKV, n_total, 1, D), jnp.bfloat16))
-            v_pages = jax.random.normal(kv, (HKV, n_total, P, D), jnp.bfloat16)
-            # One KV head at a time: a float32 copy of the whole cache may not fit.
-            centroids = jnp.stack([jnp.mean(k_pages[i].astype(jnp.float32), axis=1)
-                                   for i in range(HKV)]).astype(jnp.bfloat16)
             order = np.arange(n_total) if args.contiguous_table else rng.permutation(n_total)
-            table = jnp.asarray(order.reshape(b, m).astype(np.int32))
-            lengths = jnp.full((b,), ctx, jnp.int32)
-            q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
+            q, k_pages, v_pages, centroids, table, lengths = decode_inputs(b, ctx, order)
             dense_bytes = 2 * b * ctx * HKV * D * 2
             cases = {}
             if "dense_xla_contiguous" not in args.skip:

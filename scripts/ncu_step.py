@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
+from pathlib import Path
 
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
                            + " --xla_gpu_enable_command_buffer=").strip()
@@ -18,9 +20,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.sparse_decode_gpu import sparse_decode_pallas
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-HQ, HKV, D, P = 32, 8, 128, 16
+from bench_decode import P, decode_inputs  # noqa: E402
+
+from pallas_kernels.sparse_decode_gpu import sparse_decode_pallas  # noqa: E402
 
 
 def main():
@@ -31,19 +35,10 @@ def main():
     ap.add_argument("--calls", type=int, default=3)
     args = ap.parse_args()
     b, ctx = args.batch, args.context
-    m = ctx // P
-    n_total = b * m
-    kk, kv, kq, kt = jax.random.split(jax.random.key(ctx * 131 + b), 4)
-    k_pages = (jax.random.normal(kk, (HKV, n_total, P, D), jnp.bfloat16)
-               + 2 * jax.random.normal(kt, (HKV, n_total, 1, D), jnp.bfloat16))
-    v_pages = jax.random.normal(kv, (HKV, n_total, P, D), jnp.bfloat16)
-    centroids = jnp.stack([jnp.mean(k_pages[i].astype(jnp.float32), axis=1)
-                           for i in range(HKV)]).astype(jnp.bfloat16)
-    table = jnp.asarray(np.random.default_rng(0).permutation(n_total).reshape(b, m)
-                        .astype(np.int32))
-    lengths = jnp.full((b,), ctx, jnp.int32)
+    n_total = b * (ctx // P)
+    q, k_pages, v_pages, centroids, table, lengths = decode_inputs(
+        b, ctx, np.random.default_rng(0).permutation(n_total))
     budgets = jnp.full((b,), args.budget // P, jnp.int32)
-    q = jax.random.normal(kq, (b, HQ, D), jnp.bfloat16)
     step = jax.jit(lambda q_: sparse_decode_pallas(
         q_, k_pages, v_pages, table, lengths, budgets, centroids=centroids, page_size=P,
         max_budget_pages=args.budget // P))
