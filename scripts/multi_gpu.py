@@ -528,11 +528,37 @@ def train_yaml(s: Shapes, path: Path, run_dir: Path) -> dict:
     return config
 
 
+# GPU memory (GiB, the smallest GPU's) from which the two 1.7B GRPO runs fit side by side: the
+# one-GPU run peaks at 45 GiB on GPU 0 and the fsdp=2 run at ~23 GiB a GPU plus what its first
+# step's compilation and autotuning take; on two 80 GB H100s the fsdp=2 run ran out of memory
+# on GPU 0 beside the other (2026-11-27), on 143 GB H200s they fit.
+GRPO_SIDE_BY_SIDE_GIB = 120
+
+
+def gpu_memory_gib() -> float | None:
+    """The smallest visible GPU's memory in GiB by nvidia-smi (None without it: the CPU run)."""
+    if not shutil.which("nvidia-smi"):
+        return None
+    try:
+        out = subprocess.run(["nvidia-smi", "--query-gpu=memory.total",
+                              "--format=csv,noheader,nounits"], capture_output=True, text=True,
+                             timeout=20).stdout.split()
+        visible = os.environ.get("CUDA_VISIBLE_DEVICES")
+        mib = [float(x) for x in out]
+        if visible:
+            mib = [mib[int(i)] for i in visible.split(",") if i.strip().isdigit()
+                   and int(i) < len(mib)] or mib
+        return min(mib) / 1024 if mib else None
+    except (OSError, subprocess.SubprocessError, ValueError):
+        return None
+
+
 def build_stages(args, s: Shapes, out_dir: Path, work: Path) -> list[tuple[float, list[Item]]]:
     """(weight, items) per stage; a weight is the stage's share of the budget (GPU seconds
     estimated: compilation dominates). The tests, the demo run and both 1.7B GRPO runs share
     stage 1: the GRPO runs compile and run their first step beside the tests, then time their
-    second step alone (:class:`Barrier`)."""
+    second step alone (:class:`Barrier`). On GPUs of less than
+    :data:`GRPO_SIDE_BY_SIDE_GIB` each GRPO run has a stage of its own after the tests."""
     me = [sys.executable, str(Path(__file__).resolve())]
     passed = [a for a in sys.argv[1:] if a != "--item"]
     bench = {"XLA_PYTHON_CLIENT_MEM_FRACTION": os.environ.get(
@@ -559,9 +585,16 @@ def build_stages(args, s: Shapes, out_dir: Path, work: Path) -> list[tuple[float
     grpo = [worker(f"grpo:{spec}", dict(shared, **({"CUDA_VISIBLE_DEVICES": first_gpu}
                                                    if spec == "one" else {})), timed=True)
             for spec in s.grpo_meshes]
+    memory = gpu_memory_gib()
+    if memory is None or memory >= GRPO_SIDE_BY_SIDE_GIB:
+        shared_stages = [(190, [pytest(f) for f in TEST_FILES] + [train] + grpo)]
+    else:
+        log(f"GPUs of {memory:.0f} GiB: each GRPO run in a stage of its own")
+        shared_stages = ([(100, [pytest(f) for f in TEST_FILES] + [train])]
+                         + [(60, [item]) for item in grpo])
     stages = [
         (10, [worker("devices", bench)]),
-        (190, [pytest(f) for f in TEST_FILES] + [train] + grpo),
+        *shared_stages,
         (160, [worker("rollout", bench)]),
         (140, [worker(f"big:{s.big_mesh}", bench)]),
     ]

@@ -1,0 +1,47 @@
+"""scripts/multi_gpu.py's stages: the two 1.7B GRPO runs never share a stage on GPUs too small
+to hold both (on two 80 GB H100s the fsdp=2 run ran out of memory beside the one-GPU run, then
+hung in NCCL's clique set-up until the driver killed it)."""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def multi_gpu():
+    spec = importlib.util.spec_from_file_location("multi_gpu", REPO / "scripts" / "multi_gpu.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module     # its dataclasses look their module up there
+    try:
+        spec.loader.exec_module(module)
+        yield module
+    finally:
+        sys.modules.pop(spec.name, None)
+
+
+def grpo_stages(multi_gpu, memory, tmp_path, monkeypatch, only=None):
+    monkeypatch.setattr(multi_gpu, "gpu_memory_gib", lambda: memory)
+    stages = multi_gpu.build_stages(argparse.Namespace(only=only), multi_gpu.Shapes(),
+                                    tmp_path, tmp_path)
+    return [sorted(i.key for i in items if i.key.startswith("grpo:")) for _, items in stages]
+
+
+@pytest.mark.parametrize("memory", [79.6, 40.0])
+def test_small_gpus_run_each_grpo_alone(multi_gpu, memory, tmp_path, monkeypatch):
+    stages = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch)
+    assert [keys for keys in stages if keys] == [["grpo:one"], ["grpo:1,2,1"]]
+    only = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch, only=["grpo"])
+    assert only == [["grpo:one"], ["grpo:1,2,1"]]
+
+
+@pytest.mark.parametrize("memory", [None, 139.8])
+def test_large_gpus_or_the_cpu_run_share_the_stage(multi_gpu, memory, tmp_path, monkeypatch):
+    stages = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch)
+    assert [keys for keys in stages if keys] == [["grpo:1,2,1", "grpo:one"]]
