@@ -134,17 +134,26 @@ def loop_specs(cache: PagedKVCache) -> LoopState:
 def sharded_cache(model_config, num_pages: int, prefill_table: jax.Array, *, page_size, dtype,
                   scorer, mesh: Mesh) -> PagedKVCache:
     """An empty cache with one pool of ``num_pages`` per row shard, created in place on the
-    mesh (never whole on one device)."""
+    mesh (never whole on one device). One compilation per set of arguments: a jit of a closure
+    made per call compiled at every rollout."""
+    build = _cache_builder(model_config, num_pages, page_size, jnp.dtype(dtype), scorer, mesh)
+    return build(prefill_table)
+
+
+@functools.lru_cache(maxsize=None)
+def _cache_builder(model_config, num_pages, page_size, dtype, scorer, mesh):
+    """The jitted builder of :func:`sharded_cache` (output shardings fixed at jit, as a
+    sharding constraint cannot name a mesh's Explicit axes)."""
     groups = mesh.shape[ROWS[0]] * mesh.shape[ROWS[1]]
 
     def build(table):
         return init_cache(model_config, groups * num_pages, table, page_size=page_size,
                           dtype=dtype, scorer=scorer)
 
-    shape = jax.eval_shape(build, prefill_table)
+    shape = jax.eval_shape(build, jax.ShapeDtypeStruct((groups, 1), jnp.int32))
     shardings = jax.tree.map(lambda spec: NamedSharding(mesh, spec), cache_specs(shape),
                              is_leaf=lambda x: isinstance(x, PartitionSpec))
-    return jax.jit(build, out_shardings=shardings)(prefill_table)
+    return jax.jit(build, out_shardings=shardings)
 
 
 def table_width(tokens: int, page_size: int, width: int, bucket: int | None) -> int:

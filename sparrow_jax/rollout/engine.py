@@ -19,6 +19,7 @@ Typical use::
 from __future__ import annotations
 
 import dataclasses
+import functools
 import sys
 import time
 from typing import NamedTuple, Sequence
@@ -314,14 +315,34 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
     the copy holds the very values the layers would compute with, while each decode step reads
     half the bytes of float32 masters and a gathered copy holds half the memory. (XLA compiles
     the two programs differently: on a GPU the masters' casts fuse into the matmuls, and the
-    log-probs agree to bfloat16 rounding, not bit for bit.)"""
+    log-probs agree to bfloat16 rounding, not bit for bit.)
+
+    On the mesh the cast and the gather are one jitted program (collectives over the devices'
+    links): ``jax.device_put`` of the sharded weights took 2.3 s a call for Qwen3-1.7B over two
+    H100s, the program 0.02 s. Weights not on the mesh's devices (a model on one device) are
+    first put there whole."""
     graphdef, params = nnx.split(model)
     dtype = jnp.dtype(model.dtype)
-    params = jax.tree.map(
-        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, params)
-    if mesh is not None:
-        params = jax.device_put(params, NamedSharding(mesh, PartitionSpec()))
-    return graphdef, params
+    if mesh is None:
+        return graphdef, jax.tree.map(_to_dtype(dtype), params)
+    whole = NamedSharding(mesh, PartitionSpec())
+    devices = set(mesh.devices.flat)
+    if any(isinstance(x, jax.Array) and x.sharding.device_set != devices
+           for x in jax.tree.leaves(params)):
+        params = jax.device_put(params, whole)
+    return graphdef, _cast_whole(dtype, whole)(params)
+
+
+def _to_dtype(dtype):
+    """``x -> x`` in ``dtype`` if floating, else ``x``."""
+    return lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
+
+
+@functools.lru_cache(maxsize=None)
+def _cast_whole(dtype, sharding):
+    """The jitted cast of :func:`model_params` onto ``sharding`` (fixed at jit, as a sharding
+    constraint cannot name a mesh's Explicit axes)."""
+    return jax.jit(lambda params: jax.tree.map(_to_dtype(dtype), params), out_shardings=sharding)
 
 
 def start_batch(batch: DecodeBatch, graphdef, params, key: jax.Array) -> LoopState:
