@@ -262,6 +262,14 @@ def constrain_params(tree):
     return jax.lax.with_sharding_constraint(tree, param_specs(tree, sizes))
 
 
+def local_replica(x: jax.Array, mesh: Mesh) -> jax.Array:
+    """A fully replicated ``x`` as an array replicated on ``mesh``, whose devices are among those
+    holding ``x``'s shards (a process's own devices): assembled from those shards, no copy."""
+    by_device = {shard.device: shard.data for shard in x.addressable_shards}
+    return jax.make_array_from_single_device_arrays(
+        x.shape, NamedSharding(mesh, PartitionSpec()), [by_device[d] for d in mesh.devices.flat])
+
+
 def constrain_replicated(tree):
     """Whole copies on every device under the context mesh (small outputs read on the host by
     every process); the identity without one."""

@@ -318,13 +318,17 @@ class Trainer:
         return self.rollout_fn(model, prompts, key, n, **extra)
 
     def _local_policy(self):
-        """-> (the policy with whole weights on this process's first device, a mesh of its
-        local devices or None when it has one)."""
+        """-> (the policy with whole weights on this process's devices, replicated on the mesh
+        of its local devices; or on its one device, the mesh None). The local copies are the
+        shards of one gather over the run's mesh: the rollout then needs no copy of its own (a
+        ``jax.device_put`` from one device onto the others took seconds a call)."""
         graphdef, state = nnx.split(self.model)
         whole = jax.jit(lambda s: s, out_shardings=jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec()))(state)
-        local = jax.tree.map(lambda x: x.addressable_data(0), whole)
-        return nnx.merge(graphdef, local), self._rollout_mesh()
+        mesh = self._rollout_mesh()
+        local = jax.tree.map(lambda x: x.addressable_data(0) if mesh is None
+                             else sharding.local_replica(x, mesh), whole)
+        return nnx.merge(graphdef, local), mesh
 
     def _rollout_mesh(self):
         """The mesh rollouts sample on: the run's, with one process; with several, one of this
