@@ -55,6 +55,14 @@ def main():
             assert x.sharding.device_set == devices and x.sharding.is_fully_replicated, path
             assert x.dtype == expect[path].dtype, (path, x.dtype)
             np.testing.assert_array_equal(np.asarray(x), expect[path], err_msg=str(path))
+    # Weights that already are the copy (compute dtype, whole on the mesh) are not copied again.
+    ready = init_model(cfg, dtype=jnp.float32)
+    nnx.update(ready, jax.device_put(nnx.state(ready), jax.sharding.NamedSharding(
+        mesh, jax.sharding.PartitionSpec())))
+    _, params = engine.model_params(ready, mesh)
+    for (path, x), y in zip(nnx.to_flat_state(nnx.state(ready)), jax.tree.leaves(params)):
+        assert y.addressable_shards[0].data.unsafe_buffer_pointer() == (
+            x.addressable_shards[0].data.unsafe_buffer_pointer()), path
     print("weights whole on the mesh: ok")
 
     # A process's share of the run's mesh (its own devices): the whole weights gathered over

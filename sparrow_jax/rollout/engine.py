@@ -327,8 +327,11 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
         return graphdef, jax.tree.map(_to_dtype(dtype), params)
     whole = NamedSharding(mesh, PartitionSpec())
     devices = set(mesh.devices.flat)
-    if any(isinstance(x, jax.Array) and x.sharding.device_set != devices
-           for x in jax.tree.leaves(params)):
+    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
+    if all(x.sharding.device_set == devices and x.sharding.is_fully_replicated
+           and (x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating)) for x in leaves):
+        return graphdef, params             # already the copy: a jitted identity would copy
+    if any(x.sharding.device_set != devices for x in leaves):
         params = jax.device_put(params, whole)
     return graphdef, _cast_whole(dtype, whole)(params)
 
