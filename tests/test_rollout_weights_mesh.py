@@ -4,10 +4,13 @@ compilation per call; with several processes, each one's local copy taken from t
 weights' own shards. On two H100s the copy by ``jax.device_put`` took 2.3 s of every rollout
 and the cache's builder recompiled each time (0.2 s); the one-GPU rollout paid neither.
 
-Runs as a script in a subprocess on simulated CPU devices (the suite's process has one)."""
+Runs as a script in a subprocess on simulated CPU devices where the suite's process has one
+device; on a multi-GPU host (``scripts/multi_gpu.py``'s tests) on its GPUs."""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import sys
 from pathlib import Path
 
@@ -19,7 +22,13 @@ from conftest import run_on_simulated_devices
 
 
 def test_decode_weights_and_cache_on_a_mesh():
-    out = run_on_simulated_devices(Path(__file__).resolve())
+    if jax.device_count() > 1:      # a multi-GPU host (scripts/multi_gpu.py): its own devices
+        out = io.StringIO()
+        with contextlib.redirect_stdout(out):
+            main()
+        out = out.getvalue()
+    else:
+        out = run_on_simulated_devices(Path(__file__).resolve())
     for line in ("weights whole on the mesh", "local replica without a copy",
                  "cache compiled once"):
         assert f"{line}: ok" in out, out
@@ -67,13 +76,15 @@ def main():
 
     # A process's share of the run's mesh (its own devices): the whole weights gathered over
     # the run's mesh, then replicated on the local mesh from their own shards, with no copy.
-    run_mesh = sharding.make_mesh(sharding.MeshConfig(1, 4, 1), jax.devices()[:4])
-    local_mesh = sharding.make_mesh(sharding.MeshConfig(1, 2, 1), jax.devices()[2:4])
+    n = min(4, jax.device_count())
+    run_mesh = sharding.make_mesh(sharding.MeshConfig(1, n, 1), jax.devices()[:n])
+    mine = jax.devices()[n // 2:n]
+    local_mesh = sharding.make_mesh(sharding.MeshConfig(1, len(mine), 1), mine)
     x = jax.device_put(np.arange(24.0, dtype=np.float32).reshape(4, 6),
                        jax.sharding.NamedSharding(run_mesh, jax.sharding.PartitionSpec()))
     local = sharding.local_replica(x, local_mesh)
     assert local.sharding.is_fully_replicated
-    assert local.sharding.device_set == set(jax.devices()[2:4])
+    assert local.sharding.device_set == set(mine)
     np.testing.assert_array_equal(np.asarray(local), np.asarray(x))
     source = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
     assert all(s.data.unsafe_buffer_pointer() == source[s.device]
