@@ -141,7 +141,7 @@ class DryRun:
     seq_len: int                        # the update's longest micro-batch row
     pool_pages: int                     # one shard's page pool (its null page included)
     memory: MemoryEstimate
-    rollout_weights: int                # the rollout's float32 replica of the weights
+    rollout_weights: int                # the rollout's replica of the weights, compute dtype
     notes: tuple[str, ...] = ()
 
     @property
@@ -254,8 +254,9 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
         flash_attention=chip_spec is not None and chip_spec.platform == "gpu"
         and compute_bytes == 2)
     memory = dataclasses.replace(memory, kv_pages=memory.kv_pages * tensor // kv_split)
-    # generate(mesh=) replicates the float32 masters on every device for the rollout.
-    rollout_weights = param_bytes_per_device(model, {})
+    # The rollout decodes from a whole copy of the weights in the compute dtype on every device
+    # (rollout/engine.py, model_params; with several processes, the trainer's gather).
+    rollout_weights = param_bytes_per_device(model, {}, bytes_per_element=compute_bytes)
     return DryRun(model=model, model_source=source, devices=n, mesh=sizes, chip=chip_spec,
                   rows_per_shard=prompts_per_shard * n_samples, seq_len=seq_len,
                   pool_pages=pool, memory=memory, rollout_weights=rollout_weights,
@@ -268,7 +269,7 @@ _LABELS = {
     "optimizer": "AdamW moments",
     "activations": "activations (one micro-batch)",
     "kv_pages": "KV pages (one shard's pool)",
-    "rollout_weights": "rollout weights (float32 replica)",
+    "rollout_weights": "rollout weights (replica, compute dtype)",
 }
 
 

@@ -318,12 +318,16 @@ class Trainer:
         return self.rollout_fn(model, prompts, key, n, **extra)
 
     def _local_policy(self):
-        """-> (the policy with whole weights on this process's devices, replicated on the mesh
-        of its local devices; or on its one device, the mesh None). The local copies are the
-        shards of one gather over the run's mesh: the rollout then needs no copy of its own (a
-        ``jax.device_put`` from one device onto the others took seconds a call)."""
+        """-> (the policy with whole weights in the compute dtype on this process's devices,
+        replicated on the mesh of its local devices; or on its one device, the mesh None). The
+        local copies are the shards of one cast-and-gather over the run's mesh, which is the
+        rollout's decode copy (``model_params`` takes it as it is): no float32 whole copy, and
+        no ``jax.device_put`` from one device onto the others (seconds a call)."""
+        from sparrow_jax.rollout.engine import to_compute_dtype
+
         graphdef, state = nnx.split(self.model)
-        whole = jax.jit(lambda s: s, out_shardings=jax.sharding.NamedSharding(
+        cast = to_compute_dtype(jnp.dtype(self.model.dtype))
+        whole = jax.jit(lambda s: jax.tree.map(cast, s), out_shardings=jax.sharding.NamedSharding(
             self.mesh, jax.sharding.PartitionSpec()))(state)
         mesh = self._rollout_mesh()
         local = jax.tree.map(lambda x: x.addressable_data(0) if mesh is None

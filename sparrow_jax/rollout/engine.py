@@ -324,7 +324,7 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
     graphdef, params = nnx.split(model)
     dtype = jnp.dtype(model.dtype)
     if mesh is None:
-        return graphdef, jax.tree.map(_to_dtype(dtype), params)
+        return graphdef, jax.tree.map(to_compute_dtype(dtype), params)
     whole = NamedSharding(mesh, PartitionSpec())
     devices = set(mesh.devices.flat)
     leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
@@ -336,8 +336,8 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
     return graphdef, _cast_whole(dtype, whole)(params)
 
 
-def _to_dtype(dtype):
-    """``x -> x`` in ``dtype`` if floating, else ``x``."""
+def to_compute_dtype(dtype):
+    """``x -> x`` in ``dtype`` if floating, else ``x``: the decode copy's cast of each weight."""
     return lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
 
@@ -345,7 +345,8 @@ def _to_dtype(dtype):
 def _cast_whole(dtype, sharding):
     """The jitted cast of :func:`model_params` onto ``sharding`` (fixed at jit, as a sharding
     constraint cannot name a mesh's Explicit axes)."""
-    return jax.jit(lambda params: jax.tree.map(_to_dtype(dtype), params), out_shardings=sharding)
+    cast = to_compute_dtype(dtype)
+    return jax.jit(lambda params: jax.tree.map(cast, params), out_shardings=sharding)
 
 
 def start_batch(batch: DecodeBatch, graphdef, params, key: jax.Array) -> LoopState:
