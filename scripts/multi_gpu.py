@@ -1,10 +1,12 @@
-"""Scale-out on one host with two GPUs (issue 21): the mesh equality tests on the real devices,
-rollout decode throughput on meshes data=2 and tensor=2 against one GPU, a GRPO step of the
-Qwen3-1.7B shape with fsdp=2 against one GPU, one of the Qwen3-8B shape (float32 weights,
-gradients and AdamW state: ~128 GB, more than one H200 holds) with fsdp=2, and a few steps of a
-real ``sparrow train`` run of the demo config on a mesh over both GPUs.
+"""Scale-out on one host with several GPUs (issue 21, first run on two): the mesh equality tests
+on the real devices, rollout decode throughput with every GPU on ``data`` and every GPU on
+``tensor`` against one GPU, a GRPO step of the Qwen3-1.7B shape with every GPU on ``fsdp``
+against one GPU, one of the Qwen3-8B shape (float32 weights, gradients and AdamW state: ~128
+GB, more than one H200 holds) likewise, and a few steps of a real ``sparrow train`` run of the
+demo config on a mesh over all the GPUs. Meshes are ``d,f,t`` with -1 for "all the GPUs left"
+(``--rollout-meshes one 2,1,1`` names a fixed one).
 
-    bash scripts/multi_gpu.sh --commit <sha>       # the 2-GPU machine (.whl carried); JSON to $OUT
+    bash scripts/multi_gpu.sh --commit <sha>       # a multi-GPU machine (.whl carried); JSON to $OUT
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         .venv/bin/python scripts/multi_gpu.py --tiny  # CPU dry run: every shape shrunk
 
@@ -107,7 +109,7 @@ class Shapes:
     rollout_rows_per_gpu: int = 24                # 24 rows at 32K: 94 GB of pages a GPU
     rollout_steps: int = 64                       # decode steps per chunk (the engine's default)
     rollout_repeats: int = 3                      # timed chunks per context (median)
-    rollout_meshes: tuple[str, ...] = ("one", "2,1,1", "1,1,2")
+    rollout_meshes: tuple[str, ...] = ("one", "-1,1,1", "1,1,-1")
     grpo_model: str = "qwen3-1.7b"
     grpo_dtype: str = "bfloat16"                  # compute dtype; weights and AdamW float32
     grpo_prompts: int = 2
@@ -117,7 +119,7 @@ class Shapes:
     grpo_micro_batch: int = 8
     grpo_steps: int = 2                           # step 0 compiles; step 1 is the timed one
     grpo_schedule: str = "paper:qwen3-1.7b"
-    grpo_meshes: tuple[str, ...] = ("one", "1,2,1")
+    grpo_meshes: tuple[str, ...] = ("one", "1,-1,1")
     big_model: str = "qwen3-8b"
     big_dtype: str = "bfloat16"
     big_prompts: int = 2
@@ -127,10 +129,10 @@ class Shapes:
     big_micro_batch: int = 8
     big_steps: int = 2
     big_schedule: str = "paper:qwen3-8b"
-    big_mesh: str = "1,2,1"
+    big_mesh: str = "1,-1,1"
     train_config: str = "configs/demo.yaml"
     train_steps: int = 5
-    train_mesh: str = "1,2,1"
+    train_mesh: str = "1,-1,1"
     allreduce_mib: int = 256
 
 
@@ -171,11 +173,15 @@ def parse_mesh(text: str):
     return MeshConfig(*(int(x) for x in text.split(",")))
 
 
-def mesh_name(text: str) -> str:
+def mesh_name(text: str, devices: int | None = None) -> str:
+    """``one GPU``, or the mesh's axes above 1 (-1 resolved on ``devices``, else "all")."""
     if text == "one":
         return "one GPU"
     d, f, t = (int(x) for x in text.split(","))
-    parts = [f"{n}={v}" for n, v in (("data", d), ("fsdp", f), ("tensor", t)) if v > 1]
+    if devices is not None:
+        d, f, t = parse_mesh(text).axis_sizes(devices)
+    parts = [f"{n}={'all' if v == -1 else v}" for n, v in (("data", d), ("fsdp", f),
+                                                           ("tensor", t)) if v != 1]
     return " ".join(parts) or "mesh 1,1,1"
 
 
@@ -267,8 +273,8 @@ def item_devices(s: Shapes, part: Part) -> None:
 def item_rollout(s: Shapes, part: Part) -> None:
     """Decode tokens/s of the engine at fixed contexts (:mod:`sparrow_jax.rollout.profile`:
     ``generate``'s own layout, pool and loop state, on the mesh too, the pool filled with random
-    values; chunks of the engine's decode loop timed at each context) on one GPU, data=2 and
-    tensor=2; the paper's schedule, random weights, no EOS."""
+    values; chunks of the engine's decode loop timed at each context) on one GPU and on each
+    mesh of ``rollout_meshes``; the paper's schedule, random weights, no EOS."""
     import gc
 
     import jax
@@ -309,7 +315,7 @@ def item_rollout(s: Shapes, part: Part) -> None:
         groups = 1 if mesh is None else mesh.shape["data"] * mesh.shape["fsdp"]
         gpus = 1 if mesh is None else mesh.size
         rows = s.rollout_rows_per_gpu * groups
-        name = mesh_name(spec)
+        name = mesh_name(spec, jax.device_count())
         entry = dict(mesh=spec, name=name, gpus=gpus, rows=rows, rows_per_gpu=rows // groups,
                      contexts=[])
         runs[spec] = entry
@@ -398,7 +404,7 @@ def item_grpo(s: Shapes, part: Part, *, big: bool, mesh_spec: str, key: str) -> 
                                 max_new_tokens=get("max_new"), temperature=1.0, eos_ids=()),
         schedule=schedule, update=UpdateConfig(micro_batch_size=get("micro_batch")),
         checkpoint_every=10 ** 6, tensorboard=False, progress=False)
-    name = f"{get('model')} {mesh_name(mesh_spec)}"
+    name = f"{get('model')} {mesh_name(mesh_spec, jax.device_count())}"
     rows = get("prompts") * get("samples")
     part.update(model=get("model"), dtype=get("dtype"), mesh=mesh_spec, name=name,
                 prompts=get("prompts"), prompt_len=get("prompt_len"), samples=get("samples"),

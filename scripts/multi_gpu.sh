@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
-# scripts/multi_gpu.py on the 2-GPU machine (issue 21): NVLink multicast off, the carried wheels
-# installed and the pins checked (scripts/gpu_env.sh), then every item within the budget (the
-# whole run fits 9 minutes); the JSON report and logs go to $OUT.
+# scripts/multi_gpu.py on a machine of several GPUs (issue 21): NVLink multicast off, the
+# carried wheels installed and the pins checked (scripts/gpu_env.sh), then every item within the
+# budget (on two GPUs the whole run fits 9 minutes); the JSON report and logs go to $OUT.
 #   bash scripts/multi_gpu.sh --commit <sha> [scripts/multi_gpu.py options]
 set -euo pipefail
 cd "$(dirname "$0")/.."

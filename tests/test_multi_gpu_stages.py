@@ -36,12 +36,12 @@ def grpo_stages(multi_gpu, memory, tmp_path, monkeypatch, only=None):
 @pytest.mark.parametrize("memory", [79.6, 40.0])
 def test_small_gpus_run_each_grpo_alone(multi_gpu, memory, tmp_path, monkeypatch):
     stages = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch)
-    assert [keys for keys in stages if keys] == [["grpo:one"], ["grpo:1,2,1"]]
+    assert [keys for keys in stages if keys] == [["grpo:one"], ["grpo:1,-1,1"]]
     only = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch, only=["grpo"])
-    assert only == [["grpo:one"], ["grpo:1,2,1"]]
+    assert only == [["grpo:one"], ["grpo:1,-1,1"]]
 
 
 @pytest.mark.parametrize("memory", [None, 139.8])
 def test_large_gpus_or_the_cpu_run_share_the_stage(multi_gpu, memory, tmp_path, monkeypatch):
     stages = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch)
-    assert [keys for keys in stages if keys] == [["grpo:1,2,1", "grpo:one"]]
+    assert [keys for keys in stages if keys] == [["grpo:1,-1,1", "grpo:one"]]
