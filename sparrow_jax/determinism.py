@@ -10,6 +10,12 @@ that take gradients, so a notebook gets it without setting ``XLA_FLAGS`` before 
 and the rollouts, whose scatters write distinct places, keep XLA's defaults (H100, 8K: the
 flag set for the whole process cost the update 5-7% and the rollout up to 1 s a step of 19).
 Other backends ignore the option.
+
+The expander returns wrong sums for a scatter that the partitioner split over devices along the
+scattered axis (two H100s, jax 0.11.2: the log-prob gathers' gradient over a vocabulary split
+over ``tensor`` off by 0.02-7), so gradients over a split axis are built without scatters
+(:func:`sparrow_jax.models.lm_head.take_vocab`); the embedding's, over rows of the split
+vocabulary, measured right.
 """
 
 from __future__ import annotations

@@ -101,3 +101,35 @@ def test_gradients_match_analytic(chunk):
     want_w = np.einsum("btv,btd->vd", gz, h.astype(np.float64))
     np.testing.assert_allclose(gh, want_h, rtol=0, atol=1e-4 * np.abs(want_h).max())
     np.testing.assert_allclose(gw, want_w, rtol=0, atol=1e-4 * np.abs(want_w).max())
+
+
+def test_gathered_gradient_matches_analytic_and_holds_no_scatter():
+    """d/dz of sum(c * logp at g) with repeated ids in a row is sum_j c_j (onehot(g_j) - p) / T;
+    and the gradient is built without a scatter: XLA's GPU scatter determinism expander, which
+    the gradient programs ask for, sums a scatter over a vocabulary split across devices wrongly
+    (two H100s), so the log-prob gathers' gradient must not be one."""
+    h, w, ids = _data(3)
+    temperature = 0.9
+    gather = np.random.default_rng(4).integers(0, V, size=(B, T, 3)).astype(np.int32)
+    gather[:, :, 2] = gather[:, :, 0]            # the same id twice in every row
+    c = np.random.default_rng(5).normal(size=(B, T, 3))
+    c1 = np.random.default_rng(6).normal(size=(B, T))
+
+    def objective(h_, w_):
+        out = head_outputs(h_, w_, jnp.asarray(ids), temperature=temperature,
+                           gather_ids=jnp.asarray(gather), chunk_size=4)
+        return (jnp.sum(jnp.asarray(c, jnp.float32) * out.gathered_logprobs)
+                + jnp.sum(jnp.asarray(c1, jnp.float32) * out.logprobs))
+
+    grad = jax.grad(objective, argnums=(0, 1))
+    gh, gw = grad(jnp.asarray(h), jnp.asarray(w))
+    ref = _np_reference(h, w, ids, temperature)
+    hits = np.eye(V)[gather]                     # [B, T, 3, V]
+    gz = (np.einsum("btj,btjv->btv", c, hits) - c.sum(-1)[..., None] * ref["p"]
+          + c1[..., None] * (np.eye(V)[ids] - ref["p"])) / temperature
+    want_h = np.einsum("btv,vd->btd", gz, w.astype(np.float64))
+    want_w = np.einsum("btv,btd->vd", gz, h.astype(np.float64))
+    np.testing.assert_allclose(gh, want_h, rtol=0, atol=1e-4 * np.abs(want_h).max())
+    np.testing.assert_allclose(gw, want_w, rtol=0, atol=1e-4 * np.abs(want_w).max())
+    hlo = jax.jit(grad).lower(jnp.asarray(h), jnp.asarray(w)).as_text()
+    assert "scatter" not in hlo

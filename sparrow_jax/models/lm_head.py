@@ -55,11 +55,43 @@ def map_positions(fn: Callable[..., Any], xs: tuple[jax.Array, ...], *,
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
 
 
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def take_vocab(logits: jax.Array, ids: jax.Array, vocab: int) -> jax.Array:
+    """logits ``[C, V]``, ids ``[C, g]`` -> ``logits`` at ``ids``, ``[C, g]``.
+
+    A gather whose gradient is built by comparing ids with the vocabulary's positions instead
+    of scatter-adding into it. With the vocabulary split over devices (``tensor``), that scatter
+    is partitioned into per-shard scatters that drop the other shards' ids, and XLA's GPU
+    scatter determinism expander, which the gradient programs ask for
+    (:mod:`sparrow_jax.determinism`), returns wrong sums for them (two H100s, jax 0.11.2: the
+    log-prob gradient off by 0.02-7 against 1e-6 without the expander). The comparison is one
+    elementwise pass over the ``[C, V]`` block, as the scatter's zero fill was, and is
+    deterministic by construction.
+    """
+    del vocab
+    return jnp.take_along_axis(logits, ids, -1)
+
+
+def _take_vocab_fwd(logits, ids, vocab):
+    del vocab
+    return jnp.take_along_axis(logits, ids, -1), ids
+
+
+def _take_vocab_bwd(vocab, ids, ct):
+    pos = jax.lax.broadcasted_iota(jnp.int32, (ids.shape[0], vocab), 1)
+    d = sum(jnp.where(pos == ids[:, j:j + 1], ct[:, j:j + 1], 0) for j in range(ids.shape[1]))
+    return d.astype(ct.dtype), None
+
+
+take_vocab.defvjp(_take_vocab_fwd, _take_vocab_bwd)
+
+
 def _chunk_stats(h, w, ids, gather, temperature, top_k, with_entropy):
     logits = scaled_logits(h, w, temperature)
     logz = jax.nn.logsumexp(logits, axis=-1)
-    lp = None if ids is None else jnp.take_along_axis(logits, ids[:, None], -1)[:, 0] - logz
-    gathered = None if gather is None else jnp.take_along_axis(logits, gather, -1) - logz[:, None]
+    v = logits.shape[-1]
+    lp = None if ids is None else take_vocab(logits, ids[:, None], v)[:, 0] - logz
+    gathered = None if gather is None else take_vocab(logits, gather, v) - logz[:, None]
     tk_ids = tk_lp = None
     if top_k:
         tk_val, tk_ids = jax.lax.top_k(logits, top_k)
