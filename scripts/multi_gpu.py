@@ -58,10 +58,10 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 T0 = float(os.environ.get("MULTI_GPU_T0", time.time()))   # the driver's start, for progress lines
 
-# The tests of issue 21 (the mesh equality tests, each comparing meshes with one device) and the
-# rollout's per-call set-up on a mesh.
+# The tests of issue 21 (the mesh equality tests, each comparing meshes with one device; the
+# trainer's and DistillSparse's include tensor = 2), and the rollout's per-call set-up on a mesh.
 TEST_FILES = ("tests/test_sharding.py", "tests/test_trainer_mesh.py", "tests/test_engine_mesh.py",
-              "tests/test_rollout_weights_mesh.py")
+              "tests/test_rollout_weights_mesh.py", "tests/test_distill_mesh.py")
 # Environment variables worth recording: NCCL's and XLA's settings, the device selection.
 ENV_PREFIXES = ("NCCL_", "XLA_", "JAX_", "CUDA_", "TF_CPP_", "NVIDIA_", "SPARROW_")
 
