@@ -99,7 +99,7 @@ def _alphas(graphdef, state, tokens, prompt_lengths, budget_pages, hidden_p, res
     def flat(x):
         return x.reshape(b * r, *x.shape[2:])
 
-    def body(hp, hq, ids):
+    def body(w, hp, hq, ids):
         logits_p = scaled_logits(hp, w, temperature)
         logits_q = scaled_logits(hq, w, temperature)
         exact = acceptance_rate(logits_p, logits_q)      # already divided by the temperature
@@ -112,7 +112,7 @@ def _alphas(graphdef, state, tokens, prompt_lengths, budget_pages, hidden_p, res
         logp_token = jnp.take_along_axis(lp, ids[:, None], axis=-1)[:, 0]
         return exact, bound, paper, logp_token
 
-    outs = map_positions(body, (flat(hidden_p), flat(hidden_q), flat(response_ids)),
+    outs = map_positions(body, (flat(hidden_p), flat(hidden_q), flat(response_ids)), w,
                          chunk_size=chunk, remat=False)
     return tuple(o.reshape(b, r) for o in outs)
 

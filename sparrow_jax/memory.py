@@ -93,7 +93,9 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
 
     The LM head holds the response hidden states and a ``[chunk, V]`` float32 block of logits,
     log-probs and probabilities at a time. ``b`` is the micro-batch's rows on one device (split
-    over data x fsdp when that divides).
+    over data x fsdp when that divides). With the rows split, each device runs the head over its
+    own rows with the whole head weight (its ``tensor`` shard) gathered in the compute dtype,
+    and sums its gradient there before the one reduction over devices: two such copies.
     """
     batch_split = axis_sizes.get("data", 1) * axis_sizes.get("fsdp", 1)
     b = _split(micro_batch_size, batch_split)
@@ -110,7 +112,10 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
     layers = config.num_hidden_layers * kept + layer if remat else (
         config.num_hidden_layers * (kept + layer))
     chunk = min(chunk_size, b * response_len)
-    head = b * response_len * d * c + 3 * chunk * _split(config.vocab_size, t) * 4
+    vocab = _split(config.vocab_size, t)
+    head = b * response_len * d * c + 3 * chunk * vocab * 4
+    if b < micro_batch_size:
+        head += 2 * vocab * d * c
     return layers + head
 
 

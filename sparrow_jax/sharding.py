@@ -253,6 +253,18 @@ def constrain(x: jax.Array, kind: str) -> jax.Array:
     return jax.lax.with_sharding_constraint(x, resolve(ACTIVATION_RULES[kind], x.shape, sizes))
 
 
+def row_axes(rows: int) -> tuple[str, ...] | None:
+    """The context mesh's axes that split ``rows`` batch rows (those of :data:`BATCH` the rule
+    splits them over, as :func:`resolve` decides), or None without a mesh or a split."""
+    sizes = _context_sizes()
+    if sizes is None:
+        return None
+    axes = resolve((BATCH,), (rows,), sizes)[0]
+    if axes is None:
+        return None
+    return (axes,) if isinstance(axes, str) else tuple(axes)
+
+
 def constrain_params(tree):
     """Pins a parameter-shaped pytree (gradients, updated parameters) to the parameter rules under
     the context mesh; the identity without one."""

@@ -308,6 +308,37 @@ def check_memory(shape, b=16, seq=256, resp=128) -> dict:
             "grads_est_low": low.weights + low.grads + low.activations}
 
 
+def check_head_loop(shape, rows=64, vocab=512, chunk=16) -> dict:
+    """The LM head's gradient program on ``shape``: the row count of each logits product
+    (``[rows, vocab]`` dots) and the collectives inside loops."""
+    import re
+
+    from sparrow_jax.models.lm_head import head_outputs
+
+    mesh = sharding.make_mesh(MeshConfig(*shape))
+    sizes = dict(zip(mesh.axis_names, mesh.devices.shape))
+    rng = np.random.default_rng(0)
+    h = jax.device_put(rng.normal(size=(rows, 1, 32)).astype(np.float32),
+                       sharding.batch_sharding(mesh, (rows, 1, 32)))
+    w = jax.device_put(rng.normal(size=(vocab, 32)).astype(np.float32), jax.sharding.NamedSharding(
+        mesh, sharding.resolve(("tensor", "fsdp"), (vocab, 32), sizes)))
+    ids = jax.device_put(rng.integers(0, vocab, (rows, 1)).astype(np.int32),
+                         sharding.batch_sharding(mesh, (rows, 1)))
+    grad = jax.grad(lambda h, w: head_outputs(h, w, ids, chunk_size=chunk).logprobs.sum(),
+                    argnums=(0, 1))
+    with sharding.use_mesh(mesh):
+        hlo = jax.jit(grad).lower(h, w).compile().as_text()
+    bodies = set(re.findall(r"body=%([\w.\-]+)", hlo))
+    in_loop = []
+    for comp in re.split(r"\n(?=%?[\w.\-]+ \(|ENTRY)", hlo):
+        if comp.split(" ", 1)[0].lstrip("%") in bodies:
+            in_loop += re.findall(r"(all-gather|all-reduce|reduce-scatter|all-to-all|"
+                                  r"collective-permute)[-a-z]*\(", comp)
+    return {"logit_rows": sorted({int(r) for r in re.findall(
+                rf"= f32\[(\d+),{vocab}\][^ ]* dot\(", hlo)}),
+            "collectives_in_loops": in_loop}
+
+
 def run_checks() -> dict:
     n = jax.device_count()
     shapes = mesh_shapes(n)
@@ -320,6 +351,7 @@ def run_checks() -> dict:
     report["load"] = check_load(shapes[2 % len(shapes)])
     t3 = time.perf_counter()
     report["memory"] = check_memory(shapes[2 % len(shapes)])
+    report["head_loop"] = {"x".join(map(str, s)): check_head_loop(s) for s in shapes[:2]}
     report["seconds"] = {"training": t1 - t0, "checkpoint": t2 - t1,
                          "load": t3 - t2, "memory": time.perf_counter() - t3}
     return report
@@ -365,6 +397,16 @@ def test_load_qwen3_on_a_mesh_equals_the_unsharded_load(report):
     for case, r in report["load"].items():
         assert r["param_equal"] and r["wrong_layout"] == [] and r["unsplit"] == [], (case, r)
         assert r["logit_diff"] < 1e-4, (case, r)
+
+
+def test_lm_head_loops_over_each_devices_own_rows(report):
+    """On a pure data and a pure fsdp mesh each device computes logits for its own rows only
+    (64 rows / n devices, in chunks of up to 16: a loop over all 64 computes 16 a chunk on
+    every device), and no collective runs inside the chunk loop."""
+    n = report["devices"]
+    for name, r in report["head_loop"].items():
+        assert r["logit_rows"] == [min(16, 64 // n)], (name, r)
+        assert r["collectives_in_loops"] == [], (name, r)
 
 
 def test_memory_per_device_within_10_percent_of_xla(report):

@@ -14,6 +14,8 @@ from typing import Any, Callable, NamedTuple
 import jax
 import jax.numpy as jnp
 
+from sparrow_jax import sharding
+
 
 class HeadOutputs(NamedTuple):
     """Per position: log-prob of the given id, top-k ids and log-probs, entropy, log-probs at
@@ -32,16 +34,36 @@ def scaled_logits(h: jax.Array, head_weight: jax.Array, temperature: float = 1.0
                       preferred_element_type=jnp.float32) / temperature
 
 
-def map_positions(fn: Callable[..., Any], xs: tuple[jax.Array, ...], *,
+def map_positions(fn: Callable[..., Any], xs: tuple[jax.Array, ...], params: Any = (), *,
                   chunk_size: int = 1024, remat: bool = True) -> Any:
     """Applies ``fn`` to chunks of positions and concatenates: the one chunking of the LM head.
 
-    xs: arrays ``[N, ...]`` (positions first: hidden states, ids, ...); ``fn(*chunks)`` gets
-    ``[C, ...]`` slices (the last chunk zero padded) and returns a pytree of ``[C, ...]`` arrays,
-    typically computing ``[C, V]`` logits with :func:`scaled_logits` and reducing them. Returns
-    that pytree with ``[N, ...]`` leaves. With ``remat`` each chunk is recomputed in the
-    backward pass, so at most one chunk's logits are ever alive.
+    xs: arrays ``[N, ...]`` (positions first: hidden states, ids, ...); ``fn(params, *chunks)``
+    gets ``params`` (a pytree every chunk reads whole: the head weight) and ``[C, ...]`` slices
+    (the last chunk zero padded) and returns a pytree of ``[C, ...]`` arrays, typically
+    computing ``[C, V]`` logits with :func:`scaled_logits` and reducing them. Returns that
+    pytree with ``[N, ...]`` leaves. With ``remat`` each chunk is recomputed in the backward
+    pass, so at most one chunk's logits are ever alive.
+
+    On a mesh whose data/fsdp axes split the positions, each device loops over its own
+    positions (chunks of ``chunk_size`` of them), ``params`` gathered once and their gradient
+    summed over the devices once. A loop over the whole array would run every chunk on every
+    device; ``params`` reached by closure would have their gradient summed at every chunk.
     """
+    axes = sharding.row_axes(xs[0].shape[0])
+    if axes is None:
+        return _map_chunks(fn, params, xs, chunk_size, remat)
+
+    def local(params, *xs):
+        params = jax.tree.map(lambda a: jax.lax.pcast(a, axes, to="varying"), params)
+        return _map_chunks(fn, params, xs, chunk_size, remat)
+
+    rows = sharding.PartitionSpec(axes)
+    return jax.shard_map(local, in_specs=(sharding.PartitionSpec(), *(rows,) * len(xs)),
+                         out_specs=rows, axis_names=set(axes))(params, *xs)
+
+
+def _map_chunks(fn, params, xs, chunk_size, remat):
     n = xs[0].shape[0]
     chunk = max(1, min(chunk_size, n))
     pad = (-n) % chunk
@@ -51,7 +73,7 @@ def map_positions(fn: Callable[..., Any], xs: tuple[jax.Array, ...], *,
         return x.reshape(-1, chunk, *x.shape[1:])
 
     body = functools.partial(jax.checkpoint, prevent_cse=False)(fn) if remat else fn
-    out = jax.lax.map(lambda c: body(*c), tuple(split(x) for x in xs))
+    out = jax.lax.map(lambda c: body(params, *c), tuple(split(x) for x in xs))
     return jax.tree.map(lambda o: o.reshape(-1, *o.shape[2:])[:n], out)
 
 
@@ -127,10 +149,11 @@ def head_outputs(hidden: jax.Array, head_weight: jax.Array, ids: jax.Array | Non
         xs["gather_ids"] = gather_ids.reshape(b * t, -1).astype(jnp.int32)
     names = tuple(xs)
 
-    def body(*chunks):
+    def body(w, *chunks):
         c = dict(zip(names, chunks))
-        return _chunk_stats(c["h"], head_weight, c.get("ids"), c.get("gather_ids"), temperature,
-                            top_k, entropy)
+        return _chunk_stats(c["h"], w, c.get("ids"), c.get("gather_ids"), temperature, top_k,
+                            entropy)
 
-    out = map_positions(body, tuple(xs.values()), chunk_size=chunk_size, remat=remat)
+    out = map_positions(body, tuple(xs.values()), head_weight, chunk_size=chunk_size,
+                        remat=remat)
     return HeadOutputs(*(None if x is None else x.reshape(b, t, *x.shape[1:]) for x in out))
