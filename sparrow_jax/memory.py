@@ -95,7 +95,7 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
     log-probs and probabilities at a time. ``b`` is the micro-batch's rows on one device (split
     over data x fsdp when that divides). With the rows split, each device runs the head over its
     own rows with the whole head weight (its ``tensor`` shard) gathered in the compute dtype,
-    and sums its gradient there before the one reduction over devices: two such copies.
+    and sums its gradient there in float32 before the one reduction over devices.
     """
     batch_split = axis_sizes.get("data", 1) * axis_sizes.get("fsdp", 1)
     b = _split(micro_batch_size, batch_split)
@@ -115,7 +115,7 @@ def activation_bytes(config: ModelConfig, axis_sizes: dict[str, int], *, micro_b
     vocab = _split(config.vocab_size, t)
     head = b * response_len * d * c + 3 * chunk * vocab * 4
     if b < micro_batch_size:
-        head += 2 * vocab * d * c
+        head += vocab * d * (c + 4)
     return layers + head
 
 

@@ -133,3 +133,28 @@ def test_gathered_gradient_matches_analytic_and_holds_no_scatter():
     np.testing.assert_allclose(gw, want_w, rtol=0, atol=1e-4 * np.abs(want_w).max())
     hlo = jax.jit(grad).lower(jnp.asarray(h), jnp.asarray(w)).as_text()
     assert "scatter" not in hlo
+
+
+def test_bfloat16_head_gradient_is_summed_over_chunks_in_float32():
+    """A bfloat16 head's weight gradient over 64 chunks is as close to the float64 closed form
+    as over one chunk: summed over the chunks in bfloat16 it was 2.3% of the largest entry off
+    (0.4% in one chunk)."""
+    rng = np.random.default_rng(7)
+    n, d, v = 4096, 64, 512
+    h = rng.normal(size=(1, n, d)).astype(np.float32)
+    w = (0.2 * rng.normal(size=(v, d))).astype(np.float32)
+    ids = rng.integers(0, v, (1, n)).astype(np.int32)
+    c = rng.normal(size=(1, n)).astype(np.float32)
+    z = np.einsum("btd,vd->btv", h.astype(np.float64), w.astype(np.float64))
+    p = np.exp(z - z.max(-1, keepdims=True))
+    p /= p.sum(-1, keepdims=True)
+    want = np.einsum("btv,btd->vd", c[..., None] * (np.eye(v)[ids] - p), h.astype(np.float64))
+
+    def objective(w_, chunk):
+        out = head_outputs(jnp.asarray(h, jnp.bfloat16), w_.astype(jnp.bfloat16),
+                           jnp.asarray(ids), chunk_size=chunk)
+        return jnp.sum(out.logprobs * c)
+
+    for chunk in (n, 64):
+        got = np.asarray(jax.grad(objective)(jnp.asarray(w), chunk), np.float64)
+        assert np.abs(got - want).max() < 0.01 * np.abs(want).max(), chunk

@@ -23,9 +23,9 @@ def test_tiny_model_on_2x2x2_by_hand():
     # b = 16 / (2 x 2) = 4 rows, T = 64: internals 4*64*(32 + 2*16 + 2*8 + 4*32)*4 bytes,
     # attention 4 x 4*2*64*64*4, the kept input 4*64*32*4; head: 4*32*32*4 hidden,
     # 3 x [128, 32] float32 logits blocks, and (rows split) the head weight's tensor shard
-    # [32, 32] gathered and its gradient, 2 x 32*32*4
+    # [32, 32] gathered (4 bytes here) and its float32 gradient
     layer = 4 * 64 * 208 * 4 + 4 * 4 * 2 * 64 * 64 * 4
-    head = 4 * 32 * 32 * 4 + 3 * 128 * 32 * 4 + 2 * 32 * 32 * 4
+    head = 4 * 32 * 32 * 4 + 3 * 128 * 32 * 4 + 32 * 32 * (4 + 4)
     assert est.activations == 4 * 64 * 32 * 4 + layer + head
     assert est.total == 13760 * 4 + est.kv_pages + est.activations
 

@@ -45,9 +45,10 @@ def test_qwen3_8b_on_8_h100_by_hand():
     # b = 4 rows / (fsdp 4) = 1, T = 32768, cuDNN flash attention (softmax statistics only):
     # 36 kept layer inputs, one layer's internals (q 2048, k, v 512, MLP 6144 wide per device),
     # 16 heads' float32 statistics, then the head: 30720 hidden states, 3 [1024, 75968] blocks,
-    # and the head weight's tensor shard gathered over fsdp and its gradient, 2 x [75968, 4096]
+    # and the head weight's tensor shard [75968, 4096] gathered over fsdp (bfloat16) and its
+    # float32 gradient
     layer = 32768 * (4096 + 2 * 2048 + 2 * 512 + 4 * 6144) * 2 + 16 * 32768 * 4
-    head = 30720 * 4096 * 2 + 3 * 1024 * 75968 * 4 + 2 * 75968 * 4096 * 2
+    head = 30720 * 4096 * 2 + 3 * 1024 * 75968 * 4 + 75968 * 4096 * (2 + 4)
     assert r.memory.activations == 36 * 32768 * 4096 * 2 + layer + head
     # the rollout phase (masters and moments, replica, pool) is the peak: 43.8 GiB of the H100's 72 GiB (80 less 10%)
     assert r.peak == r.rollout_peak == 12 * elements + r.rollout_weights + r.memory.kv_pages

@@ -309,8 +309,10 @@ def check_memory(shape, b=16, seq=256, resp=128) -> dict:
 
 
 def check_head_loop(shape, rows=64, vocab=512, chunk=16) -> dict:
-    """The LM head's gradient program on ``shape``: the row count of each logits product
-    (``[rows, vocab]`` dots) and the collectives inside loops."""
+    """The LM head's gradient program on ``shape``, bfloat16 compute: the row count of each
+    logits product (``[rows, vocab]`` float32 dots) and the collectives inside loops. (Its
+    compilation also checks that XLA:CPU takes the gradient's reduction over devices: a
+    bfloat16 one aborted the process in XLA:CPU's all-reduce promotion.)"""
     import re
 
     from sparrow_jax.models.lm_head import head_outputs
@@ -324,7 +326,8 @@ def check_head_loop(shape, rows=64, vocab=512, chunk=16) -> dict:
         mesh, sharding.resolve(("tensor", "fsdp"), (vocab, 32), sizes)))
     ids = jax.device_put(rng.integers(0, vocab, (rows, 1)).astype(np.int32),
                          sharding.batch_sharding(mesh, (rows, 1)))
-    grad = jax.grad(lambda h, w: head_outputs(h, w, ids, chunk_size=chunk).logprobs.sum(),
+    grad = jax.grad(lambda h, w: head_outputs(h.astype(jnp.bfloat16), w.astype(jnp.bfloat16),
+                                              ids, chunk_size=chunk).logprobs.sum(),
                     argnums=(0, 1))
     with sharding.use_mesh(mesh):
         hlo = jax.jit(grad).lower(h, w).compile().as_text()
