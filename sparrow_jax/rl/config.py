@@ -334,11 +334,19 @@ class TrainConfig:
     # Device mesh (data, fsdp, tensor; docs/design.md, section 10). None: one device, or with
     # several processes the default MeshConfig() over all of their devices.
     mesh: MeshConfig | None = None
+    # Seconds a step (with its evaluation and checkpoint) may take before the process ends
+    # itself with status 124, to be resumed (sparrow_jax/rl/watchdog.py); None: no limit.
+    step_timeout_s: float | None = None
 
     def __post_init__(self):
         from sparrow_jax.rl.rewards import reward_names
 
         _positive(self, "steps", "checkpoint_every", "keep_checkpoints", "eval_samples")
+        timeout = self.step_timeout_s
+        if timeout is not None and (isinstance(timeout, bool) or not isinstance(
+                timeout, (int, float)) or not timeout > 0):
+            raise ConfigError(f"step_timeout_s must be a positive number of seconds or null, "
+                              f"got {timeout!r}")
         if self.eval_every < 0:
             raise ConfigError(f"eval_every must be >= 0, got {self.eval_every}")
         if self.eval_every and self.data.num_eval < 1:

@@ -19,7 +19,7 @@ from sparrow_jax.config import ConfigError
 # Dotted key paths of the TrainConfig; a path covers the keys below it.
 RESUMABLE_CHANGES = (
     "run_dir", "steps", "checkpoint_every", "keep_checkpoints", "eval_every", "eval_samples",
-    "tensorboard", "progress", "mesh", "distill.eval_every",
+    "tensorboard", "progress", "mesh", "step_timeout_s", "distill.eval_every",
     "model.path", "data.path", "data.eval_path",
     "update.micro_batch_size", "update.length_multiple", "update.chunk_size", "update.remat",
     "rollout.engine.num_pages", "rollout.engine.max_total_tokens",

@@ -66,6 +66,7 @@ from sparrow_jax.rl.rewards import get_reward, score_batch_with_metrics
 from sparrow_jax.rl.run_dir import RunDirError, check_resume, prepare_fresh
 from sparrow_jax.rl.step_metrics import Timer, step_metrics
 from sparrow_jax.rl.update import PolicyUpdater, UpdateBatch
+from sparrow_jax.rl.watchdog import StepWatchdog
 from sparrow_jax.rollout.types import Rollout
 
 RolloutFn = Callable[[Any, list[list[int]], jax.Array, int], Rollout]
@@ -499,8 +500,10 @@ class Trainer:
             from tqdm import tqdm
 
             bar = tqdm(total=cfg.steps, initial=self.step, desc="grpo", unit="step")
+        watchdog = (StepWatchdog(cfg.step_timeout_s, describe=lambda: f"in step {self.step}")
+                    if cfg.step_timeout_s else None)
         try:
-            with self.stop:
+            with self.stop, watchdog or contextlib.nullcontext():
                 while self.step < cfg.steps and not self._agreed_stop():
                     metrics = self._step_or_abandon()
                     if metrics is None:
@@ -521,6 +524,8 @@ class Trainer:
                                         alpha=f"{metrics['alpha_paper_mean']:.3f}")
                     if self.step % cfg.checkpoint_every == 0 or self.step == cfg.steps:
                         self.save()
+                    if watchdog is not None:
+                        watchdog.beat()
                 if self._agreed_stop():
                     if self.checkpointer.latest_step() != self.step:
                         self.save()
