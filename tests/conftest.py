@@ -83,3 +83,22 @@ def run_on_simulated_devices(script: str | Path, *args: str, timeout: int = 900)
         pytest.fail(f"{Path(script).name} on {SIMULATED_DEVICES} simulated devices failed:\n"
                     f"{proc.stdout[-2000:]}{proc.stderr[-6000:]}")
     return proc.stdout
+
+
+def tiny_train_config(run_dir: str | Path, **over) -> dict:
+    """A `sparrow train` config of the 2-layer tiny model on the reverse task (sparse past
+    layer 0): seconds a step on CPU. ``over`` replaces top-level keys."""
+    from sparrow_jax.config import ModelConfig
+
+    cfg = {
+        "run_dir": str(run_dir), "steps": 2, "seed": 0, "reward": "reverse",
+        "model": {"hf_config": {**ModelConfig.preset("tiny").to_hf_dict(), "vocab_size": 24,
+                                "num_hidden_layers": 2}},
+        "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 2, "max_len": 4},
+                 "num_train": 8, "num_eval": 2, "prompts_per_step": 2},
+        "rollout": {"samples_per_prompt": 2, "max_new_tokens": 6,
+                    "engine": {"page_size": 4, "dense_layers": [0]}},
+        "update": {"micro_batch_size": 4, "length_multiple": 16},
+        "tensorboard": False, "progress": False,
+    }
+    return {**cfg, **over}

@@ -7,7 +7,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
-from conftest import hf_case
+from conftest import hf_case, tiny_train_config
 
 from sparrow_jax.cli import SUBCOMMANDS, main
 from sparrow_jax.config import ModelConfig
@@ -117,20 +117,10 @@ def test_train_then_plot(capsys, tmp_path):
     """``sparrow train`` with the real engine (sparse past layer 0), then ``sparrow plot``."""
     import yaml
 
-    cfg = {
-        "run_dir": str(tmp_path / "run"), "steps": 2, "seed": 0, "reward": "reverse",
-        "model": {"hf_config": {**ModelConfig.preset("tiny").to_hf_dict(), "vocab_size": 24,
-                                "num_hidden_layers": 2}},
-        "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 2, "max_len": 4},
-                 "num_train": 8, "num_eval": 2, "prompts_per_step": 2},
-        "rollout": {"samples_per_prompt": 2, "max_new_tokens": 6,
-                    "engine": {"page_size": 4, "dense_layers": [0]}},
-        "schedule": {"kind": "fixed", "pages": 3, "page_size": 4},
-        "update": {"micro_batch_size": 4, "length_multiple": 16},
-        "mismatch": {"min_count": 1},
-        "checkpoint_every": 2, "eval_every": 2, "eval_samples": 1,
-        "tensorboard": False, "progress": False,
-    }
+    cfg = tiny_train_config(tmp_path / "run",
+                            schedule={"kind": "fixed", "pages": 3, "page_size": 4},
+                            mismatch={"min_count": 1}, checkpoint_every=2, eval_every=2,
+                            eval_samples=1)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     rc, out, err = _run(capsys, "train", "--config", str(path))

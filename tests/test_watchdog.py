@@ -13,7 +13,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from sparrow_jax.config import ConfigError, ModelConfig, from_dict
+from conftest import tiny_train_config
+from sparrow_jax.config import ConfigError, from_dict
 from sparrow_jax.rl.config import TrainConfig
 from sparrow_jax.rl.watchdog import EXIT_STATUS, StepWatchdog
 
@@ -73,17 +74,7 @@ def test_bad_limits_are_refused_at_load(value, message):
 def test_sparrow_train_past_its_limit_exits_124(tmp_path):
     """A real run whose first step (compilation included) outlasts a 1 s limit: status 124, the
     message names step 0, and no checkpoint was written."""
-    cfg = {
-        "run_dir": str(tmp_path / "run"), "steps": 2, "reward": "reverse",
-        "model": {"hf_config": {**ModelConfig.preset("tiny").to_hf_dict(), "vocab_size": 24,
-                                "num_hidden_layers": 2}},
-        "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 2, "max_len": 4},
-                 "num_train": 8, "num_eval": 2, "prompts_per_step": 2},
-        "rollout": {"samples_per_prompt": 2, "max_new_tokens": 6,
-                    "engine": {"page_size": 4, "dense_layers": [0]}},
-        "update": {"micro_batch_size": 4, "length_multiple": 16},
-        "tensorboard": False, "progress": False, "step_timeout_s": 1,
-    }
+    cfg = tiny_train_config(tmp_path / "run", step_timeout_s=1)
     path = tmp_path / "run.yaml"
     path.write_text(yaml.safe_dump(cfg))
     proc = subprocess.run([sys.executable, "-m", "sparrow_jax.cli", "train", "--config",
