@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from conftest import run_on_simulated_devices
+from mesh_runs import check_run, recording
 from sparrow_jax.config import from_dict
 from sparrow_jax.rl.config import TrainConfig
 
@@ -46,7 +47,8 @@ EXPECTED = {
 def _config(run_dir, mesh=None) -> TrainConfig:
     cfg = {
         "run_dir": str(run_dir), "steps": STEPS, "seed": 3, "reward": "reverse",
-        "model": {"hf_config": HF_CONFIG, "seed": 1},
+        # float32 compute on every backend (the GPU default is bfloat16): see mesh_runs
+        "model": {"hf_config": HF_CONFIG, "seed": 1, "dtype": "float32"},
         "data": {"task": "reverse", "reverse": {"num_values": 8, "min_len": 6, "max_len": 8},
                  "num_train": 16, "num_eval": 2, "prompts_per_step": 2},
         "rollout": {"samples_per_prompt": 4, "max_new_tokens": 8,
@@ -78,13 +80,15 @@ def _run(run_dir: Path, mesh) -> dict:
 
     cfg = _config(run_dir, mesh)
     trainer_mod.prepare_run(cfg)
-    trainer = trainer_mod.Trainer(cfg)
+    rollouts = []
+    trainer = trainer_mod.Trainer(cfg, recording(
+        trainer_mod.engine_rollout_fn(cfg, cfg.budget_schedule), rollouts))
     history = trainer.run().history
     lora = {path_name(p): x for p, x in jax.tree_util.tree_leaves_with_path(
         nnx.state(trainer.model, LoRAParam))}
     out = {"metrics": [{k: v for k, v in r.items() if not k.startswith(("time_", "tokens_per"))}
                        for r in history],
-           "lora": {k: np.asarray(v).tolist() for k, v in lora.items()}}
+           "rollouts": rollouts, "lora": {k: np.asarray(v).tolist() for k, v in lora.items()}}
     if mesh is not None:
         adam = next(s for s in jax.tree.leaves(trainer.distill_state,
                                                is_leaf=lambda s: hasattr(s, "mu"))
@@ -100,7 +104,8 @@ def run_checks() -> dict:
     # fewer than 8 devices: tensor = 2 where it divides (the heads and vocabulary split)
     mesh = (2, 2, 2) if n == 8 else (1, n // 2, 2) if n % 2 == 0 else (1, n, 1)
     with tempfile.TemporaryDirectory() as tmp:
-        return {"devices": n, "mesh": mesh, "reference": _run(Path(tmp) / "one", None),
+        return {"devices": n, "mesh": mesh, "platform": jax.default_backend(),
+                "reference": _run(Path(tmp) / "one", None),
                 "mesh_run": _run(Path(tmp) / "mesh", mesh)}
 
 
@@ -122,21 +127,21 @@ def test_adapters_and_their_moments_follow_the_base_kernels(report):
 def test_distill_on_a_mesh_equals_one_device(report):
     ref, got = report["reference"], report["mesh_run"]
     assert len(got["metrics"]) == len(ref["metrics"]) == STEPS
-    for g, w in zip(got["metrics"], ref["metrics"]):
-        assert set(g) == set(w), sorted(set(g) ^ set(w))
+    for w in ref["metrics"]:
         assert "distill_loss" in w and "alpha_paper_p5_nolora" in w
-        for k in w:
-            np.testing.assert_allclose(g[k], w[k], rtol=1e-5, atol=1e-6,
-                                       err_msg=f"step {w['step']} {k}")
+    compared = check_run(got["metrics"], got["rollouts"], ref, report["platform"], "mesh")
     assert got["lora"].keys() == ref["lora"].keys()
     moved = 0
     for k, w in ref["lora"].items():
+        moved += k.endswith("lora_b") and np.abs(np.asarray(w)).max() > 0
+        if compared < STEPS:
+            continue   # a GPU's near-tie draw: the runs trained on other samples from there
         # A's first gradient is exactly zero on one device (B starts at zero); the mesh's
         # reductions leave rounding there, which AdamW (eps 1e-8) turns into moves of up to
         # ~1e-2 of its learning rate (1e-3 here).
         np.testing.assert_allclose(got["lora"][k], w, rtol=1e-4, atol=1e-4, err_msg=k)
-        moved += k.endswith("lora_b") and np.abs(np.asarray(w)).max() > 0
     assert moved == 2 * 7   # every B of both layers trained away from zero
+    assert report["platform"] != "cpu" or compared == STEPS
 
 
 if __name__ == "__main__":
