@@ -6,7 +6,8 @@ that two processes resume: the two launches together must equal the run in one p
 Each process is this file run as a script (``python tests/test_multiprocess.py CONFIG OUT``):
 ``train()`` with the engine's rollouts recorded, its share of each step's responses written to
 ``OUT`` as JSON. ``SPARROW_TEST_SIGTERM_AT=k`` makes a process send itself SIGTERM as its k-th
-rollout starts (a known phase; the handlers are the trainer's own).
+rollout starts (a known phase; the handlers are the trainer's own). The same with
+DistillSparse on (``slow``).
 """
 
 from __future__ import annotations
@@ -135,21 +136,42 @@ def test_process_share_and_gather_are_the_identity_for_one_process():
     assert process_share(8) == slice(0, 8)
 
 
-@pytest.fixture(scope="module")
-def one_process(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("one")
-    results = _launch(_write_config(tmp, tmp / "run"), 1)
+# DistillSparse on: the actor's LoRA sampling, its update with AdamW state in the checkpoint,
+# and the alpha without it every step
+DISTILL = {"distill": {"enabled": True, "rank": 4, "eval_every": 1}}
+
+
+def _one_process(tmp: Path, **over) -> dict:
+    tmp.mkdir(exist_ok=True)
+    results = _launch(_write_config(tmp, tmp / "run", **over), 1)
     assert results[0]["rc"] == 0, results[0]["err"]
     return {"metrics": _metrics(tmp / "run"), "responses": _merged(results)}
 
 
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    return _one_process(tmp_path_factory.mktemp("one"))
+
+
 def test_two_processes_equal_one_through_a_sigterm_and_resume(tmp_path, one_process):
+    _sigterm_then_resume(tmp_path, one_process)
+
+
+@pytest.mark.slow   # ~3 CPU-minutes: three more launches, each compiling the LoRA update
+def test_distill_in_two_processes_equals_one_through_a_sigterm_and_resume(tmp_path):
+    one = _one_process(tmp_path / "one", **DISTILL)
+    assert all("distill_loss" in r and "alpha_paper_p5_nolora" in r for r in one["metrics"])
+    _sigterm_then_resume(tmp_path / "two", one, **DISTILL)
+
+
+def _sigterm_then_resume(tmp_path: Path, one_process: dict, **over) -> None:
     """Both processes get SIGTERM as step 1's rollout starts: the step is abandoned on both and
     one checkpoint (step 1) written; two processes resume from it. Together the two launches
     must reproduce the one-process run: every step's rows (each process sampled half of them),
     rewards bit for bit, float metrics to 1e-5."""
+    tmp_path.mkdir(exist_ok=True)
     run_dir = tmp_path / "run"
-    config = _write_config(tmp_path, run_dir)
+    config = _write_config(tmp_path, run_dir, **over)
     results = _launch(config, 2, sigterm_at=2)
     assert [r["rc"] for r in results] == [128 + signal.SIGTERM] * 2, [r["err"] for r in results]
     assert all("saved checkpoint 1" in r["err"] for r in results), results[0]["err"]
