@@ -12,7 +12,7 @@ The architecture comes from the model folder's ``config.json``; a folder that do
 report says. The update and the rollout never hold their buffers at once (the rollout's page
 pool and weight replica are freed when it returns), so the peak per device is
 
-    weights + optimizer + max(grads + activations, rollout_weights + kv_pages)
+    weights + optimizer + reference_weights + max(grads + activations, rollout_weights + kv_pages)
 
 and it must stay under the chip's memory less :data:`MARGIN` (XLA's workspace, fragmentation,
 and the activation figure being a model).
@@ -142,17 +142,18 @@ class DryRun:
     pool_pages: int                     # one shard's page pool (its null page included)
     memory: MemoryEstimate
     rollout_weights: int                # the rollout's replica of the weights, compute dtype
+    reference_weights: int = 0          # the KL term's reference (compute dtype, sharded)
     notes: tuple[str, ...] = ()
 
     @property
     def update_peak(self) -> int:
         m = self.memory
-        return m.weights + m.optimizer + m.grads + m.activations
+        return m.weights + m.optimizer + self.reference_weights + m.grads + m.activations
 
     @property
     def rollout_peak(self) -> int:
         m = self.memory
-        return m.weights + m.optimizer + self.rollout_weights + m.kv_pages
+        return m.weights + m.optimizer + self.reference_weights + self.rollout_weights + m.kv_pages
 
     @property
     def peak(self) -> int:
@@ -163,7 +164,10 @@ class DryRun:
         return None if self.chip is None else int(self.chip.memory * (1 - MARGIN))
 
     def components(self) -> dict[str, int]:
-        return {**dataclasses.asdict(self.memory), "rollout_weights": self.rollout_weights}
+        parts = {**dataclasses.asdict(self.memory), "rollout_weights": self.rollout_weights}
+        if self.reference_weights:
+            parts["reference_weights"] = self.reference_weights
+        return parts
 
     def check_fits(self) -> None:
         """ConfigError, one line naming the largest component of the peak phase, when the peak
@@ -173,7 +177,9 @@ class DryRun:
         parts = self.components()
         phase = (("grads", "activations") if self.update_peak >= self.rollout_peak
                  else ("rollout_weights", "kv_pages"))
-        name = max(("weights", "optimizer") + phase, key=parts.__getitem__)
+        held = ("weights", "optimizer") + (("reference_weights",) if self.reference_weights
+                                           else ())
+        name = max(held + phase, key=parts.__getitem__)
         raise ConfigError(
             f"does not fit: {self.peak / GIB:.1f} GiB per device > {self.limit / GIB:.1f} GiB "
             f"({self.chip.name}, {self.chip.memory / GIB:.0f} GiB less {MARGIN:.0%}); largest "
@@ -257,10 +263,14 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
     # The rollout decodes from a whole copy of the weights in the compute dtype on every device
     # (rollout/engine.py, model_params; with several processes, the trainer's gather).
     rollout_weights = param_bytes_per_device(model, {}, bytes_per_element=compute_bytes)
+    # The KL term's reference: the initial weights in the compute dtype, in the weights' layout,
+    # held for the whole run (rl/recompute.py, reference_policy).
+    reference = param_bytes_per_device(model, axis_sizes, bytes_per_element=compute_bytes) \
+        if config.update.loss.kl_coef else 0
     return DryRun(model=model, model_source=source, devices=n, mesh=sizes, chip=chip_spec,
                   rows_per_shard=prompts_per_shard * n_samples, seq_len=seq_len,
                   pool_pages=pool, memory=memory, rollout_weights=rollout_weights,
-                  notes=tuple(notes))
+                  reference_weights=reference, notes=tuple(notes))
 
 
 _LABELS = {
@@ -270,6 +280,7 @@ _LABELS = {
     "activations": "activations (one micro-batch)",
     "kv_pages": "KV pages (one shard's pool)",
     "rollout_weights": "rollout weights (replica, compute dtype)",
+    "reference_weights": "KL reference (compute dtype, sharded)",
 }
 
 
@@ -284,8 +295,9 @@ def format_report(r: DryRun) -> str:
              f"{'memory per device':<42}{'GiB':>9}"]
     row = "{:<42}{:>9.2f}".format
     lines += [row(f"  {_LABELS[k]}", v / GIB) for k, v in r.components().items()]
-    lines += [row("  update: weights, moments, grads, acts", r.update_peak / GIB),
-              row("  rollout: weights, moments, replica, KV", r.rollout_peak / GIB),
+    ref = ", reference" if r.reference_weights else ""
+    lines += [row(f"  update: weights, moments{ref}, grads, acts", r.update_peak / GIB),
+              row(f"  rollout: weights, moments{ref}, replica, KV", r.rollout_peak / GIB),
               row("peak", r.peak / GIB)]
     if r.chip is not None:
         verdict = "fits" if r.peak <= r.limit else "DOES NOT FIT"

@@ -124,3 +124,65 @@ def test_bad_config_is_named():
         LossConfig(correction="ppo")
     with pytest.raises(ValueError, match="dual_clip"):
         LossConfig(dual_clip=0.5)
+    with pytest.raises(ValueError, match="kl_coef must be a finite number >= 0, got -0.1"):
+        LossConfig(kl_coef=-0.1)
+    with pytest.raises(ValueError, match="entropy_coef"):
+        LossConfig(entropy_coef=float("inf"))
+
+
+def _np_extra_terms(logp_new, logp_ref, entropy, mask, num_tokens, cfg):
+    """The entropy bonus and the KL pull, token by token in float64 (docs/design.md, section 7):
+    ``- c_H * H`` and ``+ c_KL * k3``, ``k3 = exp(k) - k - 1``, ``k = ref - new`` (unclipped:
+    the test's log-prob gaps stay far inside the clips)."""
+    total = 0.0
+    for idx in zip(*np.nonzero(mask)):
+        k = logp_ref[idx] - logp_new[idx]
+        total += cfg.kl_coef * (np.exp(k) - k - 1) - cfg.entropy_coef * entropy[idx]
+    return total / num_tokens
+
+
+def test_entropy_and_kl_terms_match_numpy_and_their_gradients():
+    cfg = LossConfig(entropy_coef=0.03, kl_coef=0.2)
+    logp_new, logp_old, logp_sparse, adv, mask = _random_batch(5)
+    rng = np.random.default_rng(6)
+    logp_ref = logp_new + rng.normal(0, 0.5, logp_new.shape)
+    entropy = rng.uniform(0.1, 3.0, logp_new.shape)
+    n = int(mask.sum()) + 2
+
+    def loss_of(new, ent):
+        return grpo_loss(new, *[jnp.asarray(x) for x in (logp_old, logp_sparse, adv, mask)], n,
+                         cfg, entropy=ent, logp_ref=jnp.asarray(logp_ref))
+
+    loss, metrics = loss_of(jnp.asarray(logp_new), jnp.asarray(entropy))
+    pg = _np_loss(logp_new, logp_old, logp_sparse, adv, mask, n, cfg)
+    extra = _np_extra_terms(logp_new, logp_ref, entropy, mask, n, cfg)
+    np.testing.assert_allclose(float(loss), pg + extra, rtol=1e-5)
+    kl = _np_extra_terms(logp_new, logp_ref, entropy, mask, n, LossConfig(kl_coef=1.0))
+    np.testing.assert_allclose(float(metrics["kl"]), kl, rtol=1e-5)
+    # gradients: d/d logp_new of the KL term is c_KL (1 - exp(ref - new)); d/d entropy is -c_H
+    g_new, g_ent = jax.grad(lambda a, b: loss_of(a, b)[0], (0, 1))(jnp.asarray(logp_new),
+                                                                  jnp.asarray(entropy))
+    g_pg = jax.grad(lambda a: grpo_loss(
+        a, *[jnp.asarray(x) for x in (logp_old, logp_sparse, adv, mask)], n, LossConfig())[0])(
+            jnp.asarray(logp_new))
+    want = cfg.kl_coef * (1 - np.exp(logp_ref - logp_new)) * mask / n
+    np.testing.assert_allclose(np.asarray(g_new) - np.asarray(g_pg), want, rtol=1e-4, atol=1e-7)
+    np.testing.assert_allclose(np.asarray(g_ent), -cfg.entropy_coef * mask / n, rtol=1e-6)
+    # a policy equal to its reference: no KL and no pull
+    same, _ = grpo_loss(jnp.asarray(logp_new), *[jnp.asarray(x) for x in (
+        logp_old, logp_sparse, adv, mask)], n, LossConfig(kl_coef=0.5),
+        logp_ref=jnp.asarray(logp_new))
+    np.testing.assert_allclose(float(same), pg, rtol=1e-6)
+
+
+def test_terms_off_by_default_and_their_inputs_required():
+    batch = [jnp.asarray(x) for x in _random_batch(7)]
+    loss, metrics = grpo_loss(*batch, 10)
+    assert "kl" not in metrics
+    junk = jnp.full(batch[0].shape, jnp.nan)
+    same, _ = grpo_loss(*batch, 10, entropy=junk, logp_ref=junk)   # unused when off
+    assert float(same) == float(loss)
+    with pytest.raises(ValueError, match="kl_coef=0.1 needs logp_ref"):
+        grpo_loss(*batch, 10, LossConfig(kl_coef=0.1))
+    with pytest.raises(ValueError, match="entropy_coef=0.1 needs entropy"):
+        grpo_loss(*batch, 10, LossConfig(entropy_coef=0.1))

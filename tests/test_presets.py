@@ -6,10 +6,11 @@ import shutil
 from pathlib import Path
 
 import pytest
+import yaml
 
 from sparrow_jax.cli import main
 from sparrow_jax.config import CONFIG_DIR, ConfigError
-from sparrow_jax.dry_run import GIB, dry_run, load_run_file, run_file_from_dict
+from sparrow_jax.dry_run import GIB, dry_run, format_report, load_run_file, run_file_from_dict
 
 PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
 
@@ -72,6 +73,23 @@ def test_qwen3_1_7b_on_v5p_8_by_hand():
     # the update phase is the peak
     assert r.peak == r.update_peak == 16 * elements + r.memory.activations
     assert r.peak <= r.limit == int(0.9 * 95 * GIB)
+
+
+def test_the_kl_reference_is_counted_in_both_phases():
+    """``update.loss.kl_coef`` keeps the initial weights in the compute dtype, in the weights'
+    layout, for the whole run: 2 bytes a parameter of one device's share on top of each phase."""
+    path = CONFIG_DIR / "presets" / "qwen3-8b-h100x8.yaml"
+    data = yaml.safe_load(path.read_text())
+    plain = dry_run(run_file_from_dict(data))
+    data["update"] = {**data.get("update", {}), "loss": {"kl_coef": 0.04}}
+    r = dry_run(run_file_from_dict(data))
+    assert plain.reference_weights == 0 and "reference_weights" not in plain.components()
+    assert r.reference_weights == r.memory.weights // 2 == 2 * 1_024_111_616
+    assert r.update_peak == plain.update_peak + r.reference_weights
+    assert r.rollout_peak == plain.rollout_peak + r.reference_weights
+    table = format_report(r)
+    assert "KL reference (compute dtype, sharded)" in table
+    assert "update: weights, moments, reference, grads, acts" in table
 
 
 @pytest.mark.parametrize("preset, chip, part", [

@@ -288,7 +288,7 @@ def check_memory(shape, b=16, seq=256, resp=128) -> dict:
     inputs = [np.zeros((b, seq), np.int32), np.full((b,), 10, np.int32),
               np.ones((b, resp), bool), np.zeros((b, resp), np.float32),
               np.zeros((b, resp), np.float32), np.zeros((b,), np.float32),
-              np.zeros((b, resp, 1), np.int32)]
+              np.zeros((b, resp, 1), np.int32), np.zeros((b, resp), np.float32)]
     inputs = [jax.device_put(x, sharding.batch_sharding(mesh, x.shape)) for x in inputs]
     with sharding.use_mesh(mesh):
         grads = update._micro_grads.lower(

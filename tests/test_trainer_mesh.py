@@ -40,8 +40,9 @@ def _config(run_dir, **over) -> dict:
         "rollout": {"samples_per_prompt": 4, "max_new_tokens": 6, "temperature": 1.0,
                     "engine": {"page_size": 4, "dense_layers": [0]}},
         "schedule": {"kind": "fixed", "pages": 3, "page_size": 4},
+        # the KL term on: its reference copy is laid out and recomputed on the mesh too
         "update": {"mini_batches": 1, "micro_batch_size": 8, "length_multiple": 16,
-                   "remat": False},
+                   "remat": False, "loss": {"kl_coef": 0.1}},
         "optim": {"learning_rate": 1e-2},
         "mismatch": {"top_k": 8, "min_count": 4},
         "checkpoint_every": 2, "keep_checkpoints": 2, "eval_every": 0,

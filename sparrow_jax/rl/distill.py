@@ -38,14 +38,11 @@ from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.models.lora import LoRAParam
 # DistillConfig lives with the trainer's other configs (TrainConfig.distill); re-exported here.
 from sparrow_jax.rl.config import DistillConfig, OptimConfig, UpdateConfig  # noqa: F401
-from sparrow_jax.rl.losses import LossConfig, grpo_loss
+from sparrow_jax.rl.losses import LossConfig, grpo_loss, k3
 from sparrow_jax.rl.recompute import (gather_rows, plan_micro_batches, response_rows,
                                      response_tokens, round_up)
 from sparrow_jax.rl.update import NonFiniteError, make_optimizer
 from sparrow_jax.rollout.types import Rollout
-
-K_CLIP = 20.0    # |log p_dense - log p_student| cap inside the k3 estimator
-K3_CLIP = 10.0   # per-token cap of the k3 value
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,13 +136,6 @@ def student_logprobs(model, tokens: jax.Array, prompt_lengths: jax.Array,
 
 
 # --------------------------------------------------------------------------- the loss
-def k3(logp_dense: jax.Array, logp_student: jax.Array) -> jax.Array:
-    """Per token ``clip(exp(k) - k - 1, -10, 10)``, ``k = clip(logp_dense - logp_student, -20,
-    20)``: the k3 estimator of KL(student || dense) on the student's own samples."""
-    k = jnp.clip(logp_dense - logp_student, -K_CLIP, K_CLIP)
-    return jnp.clip(jnp.exp(k) - k - 1.0, -K3_CLIP, K3_CLIP)
-
-
 def distill_loss(logp_student: jax.Array, logp_student_old: jax.Array, logp_sparse: jax.Array,
                  logp_dense: jax.Array, advantages: jax.Array, mask: jax.Array,
                  num_tokens: jax.Array | float, config: LossConfig = LossConfig(),

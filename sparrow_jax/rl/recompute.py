@@ -179,6 +179,17 @@ def merge_rows(base: DenseStats, other: DenseStats, rows: np.ndarray) -> DenseSt
                         for b, o in zip(base, other)))
 
 
+def reference_policy(model):
+    """A frozen copy of ``model`` (its weights now) in the compute dtype: the KL term's reference
+    (``update.loss.kl_coef``). Every layer casts its weights to the compute dtype at use, so the
+    copy computes the log-probs the model would, at half the bytes of float32 masters; under a
+    mesh it keeps the weights' layout."""
+    from sparrow_jax.rollout.engine import to_compute_dtype
+
+    graphdef, state = nnx.split(model)
+    return nnx.merge(graphdef, jax.tree.map(to_compute_dtype(jnp.dtype(model.dtype)), state))
+
+
 def recompute(model, rollout: Rollout, temperature: float, *, rows: np.ndarray | None = None,
               micro_batch_size: int = 8, top_k: int = 20, chunk_size: int = 1024,
               length_multiple: int = 64) -> DenseStats:

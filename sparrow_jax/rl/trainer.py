@@ -60,7 +60,7 @@ from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
 from sparrow_jax.rl.distill import DistillBatch, DistillUpdater, SparseRule
 from sparrow_jax.rl.interrupt import StepAbandoned, StopSignals, TrainingInterrupted
-from sparrow_jax.rl.recompute import DenseStats, merge_rows, recompute
+from sparrow_jax.rl.recompute import DenseStats, merge_rows, recompute, reference_policy
 from sparrow_jax.rl.evaluation import evaluate_held_out
 from sparrow_jax.rl.rewards import get_reward, score_batch_with_metrics
 from sparrow_jax.rl.run_dir import RunDirError, check_resume, prepare_fresh
@@ -200,6 +200,9 @@ class Trainer:
                 raise ConfigError(f"rollout.refill_tail_slots={tail} does not split over the "
                                   f"{shards} row shards (data x fsdp) rollouts sample on")
         self.model, self.model_config = load_policy(config.model, self.mesh)
+        # The KL term's reference: the initial weights, rebuilt from config.model on resume.
+        self.reference = (reference_policy(self.model) if config.update.loss.kl_coef
+                          else None)
         self.distill = self.distill_state = None
         if config.distill.enabled:
             self._attach_distill()
@@ -402,6 +405,13 @@ class Trainer:
                                   rows=np.setdiff1d(np.arange(len(rewards)), fused_rows),
                                   micro_batch_size=u.micro_batch_size, top_k=cfg.mismatch.top_k,
                                   chunk_size=u.chunk_size, length_multiple=u.length_multiple)
+            logp_ref = None
+            if self.reference is not None:
+                with timer("reference"):
+                    logp_ref = recompute(self.reference, rollout, temperature,
+                                         micro_batch_size=u.micro_batch_size, top_k=1,
+                                         chunk_size=u.chunk_size,
+                                         length_multiple=u.length_multiple).logprobs
 
         # The dense weights that sampled this batch, for the LoRA update after the GRPO step.
         before = nnx.clone(self.model) if self.distill is not None else None
@@ -409,7 +419,7 @@ class Trainer:
             batch = UpdateBatch(np.asarray(rollout.tokens), np.asarray(rollout.prompt_lengths),
                                 np.asarray(rollout.response_lengths), dense.logprobs,
                                 np.asarray(rollout.logprobs), advantages.astype(np.float32),
-                                np.asarray(rollout.topk_ids))
+                                np.asarray(rollout.topk_ids), logp_ref)
             self.opt_state, update_metrics, fused = self.updater.update(
                 self.model, self.opt_state, batch, plan, temperature, self.step,
                 fuse_top_k=cfg.mismatch.top_k if u.fuse_recompute else 0)

@@ -57,6 +57,7 @@ class UpdateBatch(NamedTuple):
     logp_sparse: np.ndarray       # [S, R] float32: the rollout's
     advantages: np.ndarray        # [S] float32
     actor_topk_ids: np.ndarray | None = None  # [S, R, k] int32: for a fused recompute
+    logp_ref: np.ndarray | None = None        # [S, R] float32: the reference's (loss.kl_coef)
 
 
 def make_optimizer(config: OptimConfig) -> optax.GradientTransformation:
@@ -88,7 +89,7 @@ def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
     "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k", "remat"),
     compiler_options=DETERMINISTIC_SCATTER)
 def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old, logp_sparse,
-                 advantages, actor_topk_ids, num_tokens, *, response_capacity, temperature,
+                 advantages, actor_topk_ids, logp_ref, num_tokens, *, response_capacity, temperature,
                  loss_config, chunk_size, fused_top_k, remat):
     """Gradient of one micro-batch's share of the mini-batch loss. With ``fused_top_k`` the
     parameters are those of the rollout policy, so this forward is also the dense recompute:
@@ -104,7 +105,7 @@ def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old,
                                       fused_top_k, chunk_size)
             old = stats.logprobs
         loss, metrics = grpo_loss(out.logprobs, old, logp_sparse, advantages, mask, num_tokens,
-                                  loss_config)
+                                  loss_config, entropy=out.entropy, logp_ref=logp_ref)
         metrics["update_entropy"] = jnp.sum(out.entropy * mask) / num_tokens
         return loss, (metrics, stats)
 
@@ -152,6 +153,10 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
     mask_all = np.arange(r_cap)[None, :] < batch.response_lengths[:, None]
     actor = (batch.actor_topk_ids if fused is not None
              else np.zeros(batch.logp_old.shape + (1,), np.int32))
+    if config.loss.kl_coef and batch.logp_ref is None:
+        raise ValueError(f"update.loss.kl_coef={config.loss.kl_coef} needs the reference "
+                         f"policy's log-probs in the batch (logp_ref)")
+    ref = np.zeros_like(batch.logp_old) if batch.logp_ref is None else batch.logp_ref
     mesh = sharding.mesh_of(params)
 
     def put(x):
@@ -165,11 +170,11 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
         mb = gather_rows(micro, config.micro_batch_size, {
             "tokens": batch.tokens, "prompt_lengths": batch.prompt_lengths, "mask": mask_all,
             "logp_old": batch.logp_old, "logp_sparse": batch.logp_sparse,
-            "advantages": batch.advantages, "actor": actor}, t_len, r_len)
+            "advantages": batch.advantages, "actor": actor, "ref": ref}, t_len, r_len)
         with sharding.use_mesh(mesh):
             g, m, stats = _micro_grads(graphdef, params, rest, *(put(mb[k]) for k in (
                 "tokens", "prompt_lengths", "mask", "logp_old", "logp_sparse", "advantages",
-                "actor")), jnp.float32(num_tokens), response_capacity=r_len,
+                "actor", "ref")), jnp.float32(num_tokens), response_capacity=r_len,
                 temperature=float(temperature), loss_config=config.loss,
                 chunk_size=config.chunk_size,
                 fused_top_k=fuse_top_k,
