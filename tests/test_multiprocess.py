@@ -6,8 +6,8 @@ that two processes resume: the two launches together must equal the run in one p
 Each process is this file run as a script (``python tests/test_multiprocess.py CONFIG OUT``):
 ``train()`` with the engine's rollouts recorded, its share of each step's responses written to
 ``OUT`` as JSON. ``SPARROW_TEST_SIGTERM_AT=k`` makes a process send itself SIGTERM as its k-th
-rollout starts (a known phase; the handlers are the trainer's own). The same with
-DistillSparse on (``slow``).
+rollout starts (a known phase; the handlers are the trainer's own). The same with DistillSparse
+and with the closed-loop schedule on (``slow``).
 """
 
 from __future__ import annotations
@@ -136,9 +136,18 @@ def test_process_share_and_gather_are_the_identity_for_one_process():
     assert process_share(8) == slice(0, 8)
 
 
-# DistillSparse on: the actor's LoRA sampling, its update with AdamW state in the checkpoint,
-# and the alpha without it every step
-DISTILL = {"distill": {"enabled": True, "rank": 4, "eval_every": 1}}
+# Options whose state lives beside the weights, each checked the same way (``slow``):
+# DistillSparse (the actor's LoRA sampling, its update with AdamW state in the checkpoint, the
+# alpha without it every step), and the closed-loop schedule (each process moves the same bins
+# from the gathered batch; its controller state in the checkpoint). The demo's responses sit at
+# 192-264 tokens: bins 3 and 4 of 64, raised while their tail is under 0.95.
+OPTIONS = {
+    "distill": ({"distill": {"enabled": True, "rank": 4, "eval_every": 1}}, "distill_loss"),
+    "closed_loop": ({"schedule": {"kind": "table", "table": [5] * 5, "bin_tokens": 64,
+                                  "page_size": 16},
+                     "closed_loop": {"enabled": True, "min_count": 1, "patience": 1,
+                                     "target": 0.95, "margin": 0.0}}, "schedule_new_bin03"),
+}
 
 
 def _one_process(tmp: Path, **over) -> dict:
@@ -157,11 +166,13 @@ def test_two_processes_equal_one_through_a_sigterm_and_resume(tmp_path, one_proc
     _sigterm_then_resume(tmp_path, one_process)
 
 
-@pytest.mark.slow   # ~3 CPU-minutes: three more launches, each compiling the LoRA update
-def test_distill_in_two_processes_equals_one_through_a_sigterm_and_resume(tmp_path):
-    one = _one_process(tmp_path / "one", **DISTILL)
-    assert all("distill_loss" in r and "alpha_paper_p5_nolora" in r for r in one["metrics"])
-    _sigterm_then_resume(tmp_path / "two", one, **DISTILL)
+@pytest.mark.slow   # ~3 CPU-minutes each: three more launches
+@pytest.mark.parametrize("option", sorted(OPTIONS))
+def test_options_in_two_processes_equal_one_through_a_sigterm_and_resume(tmp_path, option):
+    over, key = OPTIONS[option]
+    one = _one_process(tmp_path / "one", **over)
+    assert all(key in r for r in one["metrics"]), key   # the option acted at every step
+    _sigterm_then_resume(tmp_path / "two", one, **over)
 
 
 def _sigterm_then_resume(tmp_path: Path, one_process: dict, **over) -> None:
