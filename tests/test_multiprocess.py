@@ -6,8 +6,8 @@ that two processes resume: the two launches together must equal the run in one p
 Each process is this file run as a script (``python tests/test_multiprocess.py CONFIG OUT``):
 ``train()`` with the engine's rollouts recorded, its share of each step's responses written to
 ``OUT`` as JSON. ``SPARROW_TEST_SIGTERM_AT=k`` makes a process send itself SIGTERM as its k-th
-rollout starts (a known phase; the handlers are the trainer's own). The same with DistillSparse
-and with the closed-loop schedule on (``slow``).
+rollout starts (a known phase; the handlers are the trainer's own). The same with DistillSparse,
+the closed-loop schedule or the loss's KL term on (``slow``).
 """
 
 from __future__ import annotations
@@ -138,10 +138,13 @@ def test_process_share_and_gather_are_the_identity_for_one_process():
 
 # Options whose state lives beside the weights, each checked the same way (``slow``):
 # DistillSparse (the actor's LoRA sampling, its update with AdamW state in the checkpoint, the
-# alpha without it every step), and the closed-loop schedule (each process moves the same bins
-# from the gathered batch; its controller state in the checkpoint). The demo's responses sit at
-# 192-264 tokens: bins 3 and 4 of 64, raised while their tail is under 0.95.
+# alpha without it every step), the closed-loop schedule (each process moves the same bins
+# from the gathered batch; its controller state in the checkpoint; the demo's responses sit at
+# 192-264 tokens: bins 3 and 4 of 64, raised while their tail is under 0.95), and the loss's KL
+# term (its reference copy on the processes' devices, rebuilt at resume).
+_DEMO_UPDATE = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["update"]
 OPTIONS = {
+    "kl": ({"update": {**_DEMO_UPDATE, "loss": {"kl_coef": 0.1}}}, "kl"),
     "distill": ({"distill": {"enabled": True, "rank": 4, "eval_every": 1}}, "distill_loss"),
     "closed_loop": ({"schedule": {"kind": "table", "table": [5] * 5, "bin_tokens": 64,
                                   "page_size": 16},
