@@ -1,7 +1,9 @@
-"""The GRPO loss's KL-to-reference term in the trainer (``update.loss.kl_coef``, docs/design.md
-section 7): the reference is the run's initial weights, its log-probs a dense forward of them,
-and the step's ``kl`` metric the token-mean k3 of the policy that sampled the step against it,
-here recomputed from full logits in float64; a resumed run rebuilds the same reference."""
+"""The GRPO loss's optional terms in the trainer (docs/design.md, section 7). The KL pull
+(``update.loss.kl_coef``): the reference is the run's initial weights, its log-probs a dense
+forward of them, and the step's ``kl`` metric the token-mean k3 of the policy that sampled the
+step against it, here recomputed from full logits in float64; a resumed run rebuilds the same
+reference. The entropy bonus (``update.loss.entropy_coef``): in the loss the update
+differentiates, at the policy's own entropy."""
 
 from __future__ import annotations
 
@@ -103,3 +105,23 @@ def test_resume_rebuilds_the_reference_from_the_initial_weights(tmp_path):
     assert [r["step"] for r in split] == [0, 1, 2] and whole[2]["kl"] > 1e-5
     for k, v in whole[2].items():
         np.testing.assert_allclose(split[2][k], v, rtol=1e-6, atol=1e-9, err_msg=k)
+
+
+def test_entropy_bonus_is_in_the_update_loss(tmp_path):
+    """Step 0 of the same run with and without the bonus samples the same batch (the update
+    comes after): the losses differ by ``entropy_coef x`` the update's token-mean entropy, and
+    that entropy is the dense recompute's (the ``entropy`` metric)."""
+    from sparrow_jax.rl import trainer as trainer_mod
+
+    def step0(name, coef):
+        cfg = _config(tmp_path / name, steps=1, update={**KL["update"], "loss": {
+            "entropy_coef": coef}})
+        trainer_mod.prepare_run(cfg)
+        return trainer_mod.train(cfg).history[0]
+
+    plain, bonus = step0("plain", 0.0), step0("bonus", 0.25)
+    assert "kl" not in plain and plain["update_entropy"] > 0.1
+    np.testing.assert_allclose(bonus["update_entropy"], plain["update_entropy"], rtol=1e-6)
+    np.testing.assert_allclose(bonus["update_entropy"], plain["entropy"], rtol=1e-5)
+    np.testing.assert_allclose(plain["loss"] - bonus["loss"], 0.25 * plain["update_entropy"],
+                               rtol=1e-4)
