@@ -1,7 +1,7 @@
 """The GRPO training loop: sparse rollouts, dense recomputation (docs/design.md, section 7).
 
-One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off) ->
-mismatch metrics -> GRPO update -> [closed loop: the budget table follows the step's tail of
+One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off)
+[and the KL term's reference log-probs] -> mismatch metrics -> GRPO update -> [closed loop: the budget table follows the step's tail of
 alpha, :mod:`sparrow_jax.rl.closed_loop`] -> metrics -> checkpoint. Steps are 0-based; the
 checkpoint named s holds the state before step s (s steps done), so ``--resume`` continues at step
 s and reproduces an uninterrupted run bit for bit (every random choice flows from the saved key
