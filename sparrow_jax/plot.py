@@ -18,8 +18,11 @@ FIGURES = (
     ("clipping", "clipped and corrected tokens", "fraction of response tokens",
      ("clip_fraction", "dual_clip_fraction", "is_corrected_fraction")),
     ("entropy", "policy entropy", "nats per token", ("entropy",)),
+    ("kl", "KL to the reference policy (update.loss.kl_coef)", "k3 estimate, nats per token",
+     ("kl",)),
     ("grad_norm", "gradient norm", "global L2 norm", ("grad_norm",)),
-    ("time", "time per step", "seconds", ("time_rollout", "time_recompute", "time_update")),
+    ("time", "time per step", "seconds",
+     ("time_rollout", "time_recompute", "time_reference", "time_update")),
 )
 
 # The stability threshold of the tail statistic (paper estimator): training is stable while

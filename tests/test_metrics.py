@@ -38,6 +38,12 @@ def test_plot_run_writes_pngs(tmp_path):
     w.close()
     paths = plot_run(tmp_path)
     assert sorted(p.name for p in paths) == ["grad_norm.png", "reward.png", "time.png"]
+    # a run with the KL term on also gets its curve
+    w = MetricsWriter(tmp_path / "kl", tensorboard=False)
+    for step in range(4):
+        w.write(step, {"reward_mean": step, "kl": step / 100})
+    w.close()
+    assert sorted(p.name for p in plot_run(tmp_path / "kl")) == ["kl.png", "reward.png"]
     for p in paths:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
