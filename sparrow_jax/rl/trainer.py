@@ -1,12 +1,12 @@
 """The GRPO training loop: sparse rollouts, dense recomputation (docs/design.md, section 7).
 
 One step: rollout (sparse actor) -> rewards -> group advantages -> dense recompute (LoRA off)
-[and the KL term's reference log-probs] -> mismatch metrics -> GRPO update -> [closed loop: the budget table follows the step's tail of
-alpha, :mod:`sparrow_jax.rl.closed_loop`] -> metrics -> checkpoint. Steps are 0-based; the
-checkpoint named s holds the state before step s (s steps done), so ``--resume`` continues at step
-s and reproduces an uninterrupted run bit for bit (every random choice flows from the saved key
-and iterator state; evaluation draws from its own key, a function of the seed and the step, so the
-evaluation cadence changes no training result).
+[and the KL term's reference log-probs] -> mismatch metrics -> GRPO update -> [closed loop: the
+budget table follows the step's tail of alpha, :mod:`sparrow_jax.rl.closed_loop`] -> metrics ->
+checkpoint. Steps are 0-based; the checkpoint named s holds the state before step s (s steps
+done), so ``--resume`` continues at step s and reproduces an uninterrupted run bit for bit (every
+random choice flows from the saved key and iterator state; evaluation draws from its own key, a
+function of the seed and the step, so the evaluation cadence changes no training result).
 
 A run folder holds one run (:mod:`sparrow_jax.rl.run_dir`); SIGINT and SIGTERM stop at the next
 safe point with a checkpoint (:mod:`sparrow_jax.rl.interrupt`).

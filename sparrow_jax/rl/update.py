@@ -89,8 +89,8 @@ def split_model(model) -> tuple[Any, nnx.State, nnx.State]:
     "response_capacity", "temperature", "loss_config", "chunk_size", "fused_top_k", "remat"),
     compiler_options=DETERMINISTIC_SCATTER)
 def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old, logp_sparse,
-                 advantages, actor_topk_ids, logp_ref, num_tokens, *, response_capacity, temperature,
-                 loss_config, chunk_size, fused_top_k, remat):
+                 advantages, actor_topk_ids, logp_ref, num_tokens, *, response_capacity,
+                 temperature, loss_config, chunk_size, fused_top_k, remat):
     """Gradient of one micro-batch's share of the mini-batch loss. With ``fused_top_k`` the
     parameters are those of the rollout policy, so this forward is also the dense recompute:
     ``logp_old`` is taken from it (stop-gradient) and the rows' :class:`DenseStats` returned."""
