@@ -126,7 +126,6 @@ def _variant_chunk(graphdef, params, state, num_steps, *, settings, variant):
     for ``variant="no_attention_no_head"``, the LM head + sampling + bookkeeping replaced by an
     argmax over 256 hidden units (the next step still depends on this one)."""
     model = nnx.merge(graphdef, params)
-    head = model.head_weight()
 
     def body(_, st):
         pos = st.cache.lengths
@@ -142,7 +141,7 @@ def _variant_chunk(graphdef, params, state, num_steps, *, settings, variant):
         hidden = hidden[:, 0]
         st = st._replace(cache=cache)
         if variant == "no_attention":
-            return emit(st, hidden, head, jnp.zeros_like(st.last), settings)
+            return emit(st, model.logits(hidden), jnp.zeros_like(st.last), settings)
         token = jnp.argmax(hidden[:, :256].astype(jnp.float32), axis=-1).astype(jnp.int32)
         return st._replace(last=token)
 

@@ -10,7 +10,7 @@ keys: what the config is sized for (``configs/presets/*.yaml``)::
 The architecture comes from the model folder's ``config.json``; a folder that does not exist
 (a preset's ``/path/to/Qwen3-8B``) falls back to ``configs/models/<folder name>.json``, which the
 report says. The update and the rollout never hold their buffers at once (the rollout's page
-pool and weight replica are freed when it returns), so the peak per device is
+pool and decode copy of the weights are freed when it returns), so the peak per device is
 
     weights + optimizer + reference_weights + max(grads + activations, rollout_weights + kv_pages)
 
@@ -141,7 +141,7 @@ class DryRun:
     seq_len: int                        # the update's longest micro-batch row
     pool_pages: int                     # one shard's page pool (its null page included)
     memory: MemoryEstimate
-    rollout_weights: int                # the rollout's replica of the weights, compute dtype
+    rollout_weights: int                # the rollout's decode copy of the weights (compute dtype)
     reference_weights: int = 0          # the KL term's reference (compute dtype, sharded)
     notes: tuple[str, ...] = ()
 
@@ -202,9 +202,11 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
         raise ConfigError(str(e)) from None
     model, source = architecture(config.model)
     data_size, fsdp_size, tensor = sizes
-    if model.num_key_value_heads % tensor:
-        raise ConfigError(f"mesh.tensor={tensor} must divide the model's "
-                          f"{model.num_key_value_heads} KV heads (the rollout splits them)")
+    for what, size in (("KV heads", model.num_key_value_heads),
+                       ("MLP width", model.intermediate_size)):
+        if size % tensor:
+            raise ConfigError(f"mesh.tensor={tensor} must divide the model's {size} {what} "
+                              "(the rollout splits them)")
     bad = [x for x in config.rollout.engine.dense_layers
            if not 0 <= x < model.num_hidden_layers]
     if bad:
@@ -229,7 +231,7 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
         f"{groups * processes} rollout shards: the last ones are padded"]
     if kv_split != tensor:
         notes.append(f"mesh.tensor={tensor} spans hosts of {local} devices: rollouts keep "
-                     f"every KV head on each device")
+                     f"every KV head and a whole copy of the weights on each device")
     accelerator = chip_spec is not None
     compute_bytes = 4 if config.model.dtype == "float32" or (
         config.model.dtype == "auto" and not accelerator) else 2
@@ -260,9 +262,11 @@ def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None
         flash_attention=chip_spec is not None and chip_spec.platform == "gpu"
         and compute_bytes == 2)
     memory = dataclasses.replace(memory, kv_pages=memory.kv_pages * tensor // kv_split)
-    # The rollout decodes from a whole copy of the weights in the compute dtype on every device
-    # (rollout/engine.py, model_params; with several processes, the trainer's gather).
-    rollout_weights = param_bytes_per_device(model, {}, bytes_per_element=compute_bytes)
+    # The rollout decodes from a copy of the weights in the compute dtype, split over the KV
+    # heads' axis and whole over the rest (rollout/engine.py, model_params; with several
+    # processes, the trainer's gather).
+    rollout_weights = param_bytes_per_device(model, {"tensor": kv_split},
+                                             bytes_per_element=compute_bytes)
     # The KL term's reference: the initial weights in the compute dtype, in the weights' layout,
     # held for the whole run (rl/recompute.py, reference_policy).
     reference = param_bytes_per_device(model, axis_sizes, bytes_per_element=compute_bytes) \
@@ -279,7 +283,7 @@ _LABELS = {
     "optimizer": "AdamW moments",
     "activations": "activations (one micro-batch)",
     "kv_pages": "KV pages (one shard's pool)",
-    "rollout_weights": "rollout weights (replica, compute dtype)",
+    "rollout_weights": "rollout weights (decode copy)",
     "reference_weights": "KL reference (compute dtype, sharded)",
 }
 
@@ -297,7 +301,7 @@ def format_report(r: DryRun) -> str:
     lines += [row(f"  {_LABELS[k]}", v / GIB) for k, v in r.components().items()]
     ref = ", reference" if r.reference_weights else ""
     lines += [row(f"  update: weights, moments{ref}, grads, acts", r.update_peak / GIB),
-              row(f"  rollout: weights, moments{ref}, replica, KV", r.rollout_peak / GIB),
+              row(f"  rollout: weights, moments{ref}, copy, KV", r.rollout_peak / GIB),
               row("peak", r.peak / GIB)]
     if r.chip is not None:
         verdict = "fits" if r.peak <= r.limit else "DOES NOT FIT"

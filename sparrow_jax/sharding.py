@@ -164,6 +164,15 @@ def param_specs(state, axis_sizes: dict[str, int]):
         lambda p, x: resolve(param_logical(path_name(p)), np.shape(x), axis_sizes), state)
 
 
+def rollout_specs(state, tensor: int):
+    """PartitionSpec pytree like ``state`` for the rollout's decode copy on a mesh whose
+    ``tensor`` axis has this size: :data:`PARAM_RULES` with only ``tensor`` kept (heads, MLP
+    width and vocabulary split; whole over ``data`` and ``fsdp``, whose shards decode rows of
+    their own). The decode loop runs in ``shard_map`` over these blocks
+    (:meth:`~sparrow_jax.models.qwen3.Qwen3.forward`'s ``tensor_axis``)."""
+    return param_specs(state, {"tensor": tensor})
+
+
 def state_shardings(state, mesh: Mesh):
     """NamedSharding pytree like ``state`` (a model's nnx State or its trainable part)."""
     return jax.tree.map(lambda s: NamedSharding(mesh, s), param_specs(state, _sizes(mesh)),
@@ -274,12 +283,28 @@ def constrain_params(tree):
     return jax.lax.with_sharding_constraint(tree, param_specs(tree, sizes))
 
 
-def local_replica(x: jax.Array, mesh: Mesh) -> jax.Array:
-    """A fully replicated ``x`` as an array replicated on ``mesh``, whose devices are among those
-    holding ``x``'s shards (a process's own devices): assembled from those shards, no copy."""
-    by_device = {shard.device: shard.data for shard in x.addressable_shards}
-    return jax.make_array_from_single_device_arrays(
-        x.shape, NamedSharding(mesh, PartitionSpec()), [by_device[d] for d in mesh.devices.flat])
+def local_shards(x: jax.Array, mesh: Mesh, spec: PartitionSpec = PartitionSpec()) -> jax.Array:
+    """``x`` as an array laid out by ``spec`` on ``mesh``, whose devices are among those holding
+    ``x``'s shards (a process's own devices), assembled from those shards: each device takes
+    the one it holds when that is its block, else a copy of another local device's. ValueError
+    when no local device holds a block (the run's mesh splits ``x`` across processes)."""
+    def key(index):
+        return tuple(sl.indices(n)[:2] for sl, n in zip(index, x.shape))
+
+    held = {}
+    for shard in x.addressable_shards:
+        held.setdefault(key(shard.index), {})[shard.device] = shard.data
+    target = NamedSharding(mesh, spec)
+    wanted = target.devices_indices_map(x.shape)
+    arrays = []
+    for device in mesh.devices.flat:
+        blocks = held.get(key(wanted[device]))
+        if blocks is None:
+            raise ValueError(f"local_shards: no local device holds block {wanted[device]} of an "
+                             f"array of shape {x.shape} laid out as {x.sharding}")
+        arrays.append(blocks[device] if device in blocks
+                      else jax.device_put(next(iter(blocks.values())), device))
+    return jax.make_array_from_single_device_arrays(x.shape, target, arrays)
 
 
 def constrain_replicated(tree):

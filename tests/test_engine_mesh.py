@@ -1,5 +1,8 @@
 """The rollout engine under a device mesh: a sampled rollout gives the tokens of the one-device
-rollout on every mesh.
+rollout on every mesh. With ``tensor`` > 1 the weights are split (heads, MLP width, and the
+vocabulary where it divides), the O and down projections summed over the shards: the default
+test also runs a model with attention biases, active LoRA adapters and a vocabulary the axis
+does not divide.
 
 The comparison runs in a subprocess (this file run as a script) with 8 simulated CPU devices
 (``--xla_force_host_platform_device_count=8``); on a multi-device host (e.g. 2 GPUs) it runs in
@@ -44,15 +47,19 @@ def _run_script(*meshes: str) -> str:
     return run_on_simulated_devices(Path(__file__).resolve(), *meshes)
 
 
-def _checked(out: str) -> int:
-    """Meshes the script compared (each printed its "same tokens" line)."""
-    count = int(out.split("checked ")[-1].split()[0])
-    assert out.count("same tokens") == count >= 1, out
-    return count
+def _checked(out: str) -> tuple[int, int]:
+    """Meshes the script compared (each comparison printed its "same tokens" line: every mesh
+    with the plain model, those with a tensor split also with the adapted one)."""
+    meshes, adapted = (int(x) for x in out.split("checked ")[-1].split()[:2])
+    assert out.count("same tokens") == meshes + adapted and meshes >= 1, out
+    return meshes, adapted
 
 
 def test_sampled_rollout_equals_one_device_on_a_2x2x2_mesh():
-    _checked(_run_script("2,2,2"))
+    out = _run_script("2,2,2")
+    meshes = _meshes([(2, 2, 2)], int(out.split()[0]))
+    split = sum(m[2] > 1 for m in meshes)
+    assert _checked(out) == (len(meshes), split) and split >= 1, out
 
 
 @pytest.mark.slow
@@ -60,7 +67,8 @@ def test_sampled_rollout_equals_one_device_on_every_mesh():
     requested = [(8, 1, 1), (2, 4, 1), (2, 2, 2), (1, 8, 1)]
     out = _run_script(*(",".join(map(str, m)) for m in requested))
     devices = int(out.split()[0])   # the script's first line: "<n> devices (<platform>); ..."
-    assert _checked(out) == len(_meshes(requested, devices)), out
+    meshes = _meshes(requested, devices)
+    assert _checked(out) == (len(meshes), sum(m[2] > 1 for m in meshes)), out
 
 
 def test_mesh_axes_are_checked():
@@ -121,16 +129,16 @@ def _compare(ref, got, key, label: str) -> None:
     np.testing.assert_array_equal(np.asarray(got.prompt_index), np.asarray(ref.prompt_index))
     np.testing.assert_array_equal(np.asarray(got.prompt_lengths), pl)
     ids, logps = np.asarray(ref.topk_ids), np.asarray(ref.topk_logprobs, np.float64)
-    s = len(pl)
+    s, v = len(pl), ids.shape[2]
     # Every draw of the reference, rebuilt: argmax(logp + gumbel(step key)) over the whole
     # vocabulary (logprob_top_k = V records all of logp); the gap of a differing token is read
     # from these perturbed log-probs.
     rows, steps = np.meshgrid(np.arange(s), np.arange(R), indexing="ij")
     keys = step_keys(stream_keys(key, rows.ravel() // N, rows.ravel() % N), steps.ravel())
-    noise = np.asarray(jax.vmap(lambda k: jax.random.gumbel(k, (V,)))(keys), np.float64)
-    logp = np.empty((s, R, V))
+    noise = np.asarray(jax.vmap(lambda k: jax.random.gumbel(k, (v,)))(keys), np.float64)
+    logp = np.empty((s, R, v))
     np.put_along_axis(logp, ids, logps, axis=2)
-    pert = logp + noise.reshape(s, R, V)
+    pert = logp + noise.reshape(s, R, v)
     for b in range(s):
         drawn = rt[b, pl[b] + np.arange(rl[b])]
         np.testing.assert_array_equal(np.argmax(pert[b, :rl[b]], -1), drawn)
@@ -153,7 +161,31 @@ def _compare(ref, got, key, label: str) -> None:
           f"(row, position, gap): {differing}")
 
 
+def _adapted_model():
+    """The tiny model with attention biases, an odd vocabulary (49: split over no tensor axis)
+    and LoRA adapters on every linear layer, biases and adapters' B random (both start at 0)."""
+    import dataclasses
+
+    from flax import nnx
+
+    from sparrow_jax.models.lora import LoRAConfig, attach_lora
+    from sparrow_jax.models.qwen3 import init_model
+
+    model = attach_lora(init_model(dataclasses.replace(CFG, vocab_size=V + 1,
+                                                       attention_bias=True), seed=1),
+                        LoRAConfig(rank=4), jax.random.key(5))
+    state = nnx.state(model)
+    leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
+    keys = jax.random.split(jax.random.key(6), len(leaves))
+    leaves = [jax.random.normal(k, x.shape, x.dtype) * 0.1
+              if str(path[-2:]).count("bias") or str(path[-2:]).count("lora_b") else x
+              for (path, x), k in zip(leaves, keys)]
+    nnx.update(model, jax.tree.unflatten(treedef, leaves))
+    return model
+
+
 def main(argv: list[str]) -> None:
+    import dataclasses
     import time
 
     jax.config.update("jax_default_matmul_precision", "highest")   # float32 on GPUs too
@@ -182,6 +214,14 @@ def main(argv: list[str]) -> None:
         got = generate(model, _prompts(), config, key, schedule, mesh=mesh)
         print(f"mesh {shape}: {time.perf_counter() - t0:.1f} s")
         _compare(ref, got, key, f"mesh {shape}")
+    if any(m[2] > 1 for m in meshes):
+        adapted = _adapted_model()
+        config = dataclasses.replace(config, logprob_top_k=V + 1)
+        ref = generate(adapted, _prompts(), config, key, schedule, lora=True)
+        for shape in (m for m in meshes if m[2] > 1):
+            got = generate(adapted, _prompts(), config, key, schedule, lora=True,
+                           mesh=jax.make_mesh(shape, ("data", "fsdp", "tensor")))
+            _compare(ref, got, key, f"biases, LoRA and vocabulary {V + 1} on mesh {shape}")
     bad = jax.make_mesh((1, devices // 4, 4), ("data", "fsdp", "tensor")) if devices % 4 == 0 \
         else None
     if bad is not None:
@@ -191,7 +231,9 @@ def main(argv: list[str]) -> None:
             assert "tensor=4 must divide the model's 2 KV heads" in str(e), e
         else:
             raise AssertionError("a tensor axis wider than the KV heads was accepted")
-    print(f"checked {len(meshes)} meshes")
+    split = [m for m in meshes if m[2] > 1]
+    print(f"checked {len(meshes)} {len(split)} meshes (all, then those with a tensor split "
+          "again with the adapted model)")
 
 
 if __name__ == "__main__":

@@ -7,7 +7,8 @@ Each process is this file run as a script (``python tests/test_multiprocess.py C
 ``train()`` with the engine's rollouts recorded, its share of each step's responses written to
 ``OUT`` as JSON. ``SPARROW_TEST_SIGTERM_AT=k`` makes a process send itself SIGTERM as its k-th
 rollout starts (a known phase; the handlers are the trainer's own). The same with DistillSparse,
-the closed-loop schedule or the loss's KL term on (``slow``).
+the closed-loop schedule or the loss's KL term on, and with two devices a process and the
+weights split over ``tensor`` (``slow``).
 """
 
 from __future__ import annotations
@@ -44,11 +45,12 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _launch(config: Path, processes: int, *, resume=False, sigterm_at=None,
+def _launch(config: Path, processes: int, *, resume=False, sigterm_at=None, devices=1,
             timeout=300) -> list[dict]:
-    """Runs the worker in ``processes`` processes; -> per process: exit code, stderr tail and
-    its recorded responses. Launches of one test share a persistent compilation cache (beside
-    ``config``): compiling, not training, is most of a launch's time."""
+    """Runs the worker in ``processes`` processes of ``devices`` CPU devices each; -> per
+    process: exit code, stderr tail and its recorded responses. Launches of one test share a
+    persistent compilation cache (beside ``config``): compiling, not training, is most of a
+    launch's time."""
     port = _free_port()
     procs = []
     for i in range(processes):
@@ -57,6 +59,8 @@ def _launch(config: Path, processes: int, *, resume=False, sigterm_at=None,
                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
         env.pop("XLA_FLAGS", None)
+        if devices > 1:
+            env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
         if processes > 1:
             env.update(SPARROW_COORDINATOR=f"127.0.0.1:{port}",
                        SPARROW_NUM_PROCESSES=str(processes), SPARROW_PROCESS_ID=str(i))
@@ -141,21 +145,26 @@ def test_process_share_and_gather_are_the_identity_for_one_process():
 # alpha without it every step), the closed-loop schedule (each process moves the same bins
 # from the gathered batch; its controller state in the checkpoint; the demo's responses sit at
 # 192-264 tokens: bins 3 and 4 of 64, raised while their tail is under 0.95), and the loss's KL
-# term (its reference copy on the processes' devices, rebuilt at resume).
+# term (its reference copy on the processes' devices, rebuilt at resume); and a (1, 2, 2) mesh
+# over two devices a process, each process's rollout copy split over its two devices
+# (``Trainer._local_policy``: blocks of one gather over the run's mesh), against one process
+# of four devices on the same mesh. Entries: (config changes, a metric the option writes,
+# devices a process of the two).
 _DEMO_UPDATE = yaml.safe_load((REPO / "configs" / "demo.yaml").read_text())["update"]
 OPTIONS = {
-    "kl": ({"update": {**_DEMO_UPDATE, "loss": {"kl_coef": 0.1}}}, "kl"),
-    "distill": ({"distill": {"enabled": True, "rank": 4, "eval_every": 1}}, "distill_loss"),
+    "kl": ({"update": {**_DEMO_UPDATE, "loss": {"kl_coef": 0.1}}}, "kl", 1),
+    "distill": ({"distill": {"enabled": True, "rank": 4, "eval_every": 1}}, "distill_loss", 1),
     "closed_loop": ({"schedule": {"kind": "table", "table": [5] * 5, "bin_tokens": 64,
                                   "page_size": 16},
                      "closed_loop": {"enabled": True, "min_count": 1, "patience": 1,
-                                     "target": 0.95, "margin": 0.0}}, "schedule_new_bin03"),
+                                     "target": 0.95, "margin": 0.0}}, "schedule_new_bin03", 1),
+    "tensor": ({"mesh": {"data": 1, "fsdp": 2, "tensor": 2}}, "loss", 2),
 }
 
 
-def _one_process(tmp: Path, **over) -> dict:
+def _one_process(tmp: Path, devices=1, **over) -> dict:
     tmp.mkdir(exist_ok=True)
-    results = _launch(_write_config(tmp, tmp / "run", **over), 1)
+    results = _launch(_write_config(tmp, tmp / "run", **over), 1, devices=devices)
     assert results[0]["rc"] == 0, results[0]["err"]
     return {"metrics": _metrics(tmp / "run"), "responses": _merged(results)}
 
@@ -172,21 +181,24 @@ def test_two_processes_equal_one_through_a_sigterm_and_resume(tmp_path, one_proc
 @pytest.mark.slow   # ~3 CPU-minutes each: three more launches
 @pytest.mark.parametrize("option", sorted(OPTIONS))
 def test_options_in_two_processes_equal_one_through_a_sigterm_and_resume(tmp_path, option):
-    over, key = OPTIONS[option]
-    one = _one_process(tmp_path / "one", **over)
+    over, key, devices = OPTIONS[option]
+    one = _one_process(tmp_path / "one", devices=2 * devices, **over)
     assert all(key in r for r in one["metrics"]), key   # the option acted at every step
-    _sigterm_then_resume(tmp_path / "two", one, **over)
+    results = _sigterm_then_resume(tmp_path / "two", one, devices=devices, **over)
+    if option == "tensor":   # each process's copy on its own two devices, split over tensor
+        assert all("q_proj's decode copy (64, 64) in blocks [(64, 32)]" in r["err"]
+                   for r in results), results[0]["err"]
 
 
-def _sigterm_then_resume(tmp_path: Path, one_process: dict, **over) -> None:
+def _sigterm_then_resume(tmp_path: Path, one_process: dict, devices=1, **over) -> list[dict]:
     """Both processes get SIGTERM as step 1's rollout starts: the step is abandoned on both and
     one checkpoint (step 1) written; two processes resume from it. Together the two launches
     must reproduce the one-process run: every step's rows (each process sampled half of them),
-    rewards bit for bit, float metrics to 1e-5."""
+    rewards bit for bit, float metrics to 1e-5. -> the resumed launch's results."""
     tmp_path.mkdir(exist_ok=True)
     run_dir = tmp_path / "run"
     config = _write_config(tmp_path, run_dir, **over)
-    results = _launch(config, 2, sigterm_at=2)
+    results = _launch(config, 2, sigterm_at=2, devices=devices)
     assert [r["rc"] for r in results] == [128 + signal.SIGTERM] * 2, [r["err"] for r in results]
     assert all("saved checkpoint 1" in r["err"] for r in results), results[0]["err"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
@@ -196,7 +208,7 @@ def _sigterm_then_resume(tmp_path: Path, one_process: dict, **over) -> None:
                for r in results)
     assert _merged(results)[:1] == one_process["responses"][:1]
 
-    resumed = _launch(config, 2, resume=True)
+    resumed = _launch(config, 2, resume=True, devices=devices)
     assert [r["rc"] for r in resumed] == [0, 0], resumed[0]["err"] + resumed[1]["err"]
     assert _merged(resumed) == one_process["responses"][1:]
     _assert_same_metrics(_metrics(run_dir), one_process["metrics"])
@@ -205,6 +217,7 @@ def _sigterm_then_resume(tmp_path: Path, one_process: dict, **over) -> None:
                                                         "metrics.jsonl"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
                   if p.name.isdigit()) == ["1", str(STEPS)]
+    return resumed
 
 
 # ------------------------------------------------------------------------------ the worker
@@ -225,6 +238,10 @@ def _worker(config_path: str, out_path: str, resume: bool) -> int:
         calls.append(1)
         if len(calls) == sigterm_at:
             os.kill(os.getpid(), signal.SIGTERM)
+        if extra.get("mesh") is not None and len(calls) == 1:   # the weights' blocks, seen
+            kernel = model.layers[0].self_attn.q_proj.kernel[...]
+            print(f"worker: q_proj's decode copy {kernel.shape} in blocks "
+                  f"{sorted({x.data.shape for x in kernel.addressable_shards})}", file=sys.stderr)
         out = inner(model, prompts, key, n, **extra)
         responses.append(trainer_mod.responses_of(out))
         return out

@@ -16,7 +16,7 @@ PRESETS = sorted((CONFIG_DIR / "presets").glob("*.yaml"))
 
 
 def test_every_preset_fits_its_chip_without_weights():
-    assert len(PRESETS) == 13
+    assert len(PRESETS) == 15
     for path in PRESETS:
         run = load_run_file(path)
         r = dry_run(run)
@@ -36,8 +36,9 @@ def test_qwen3_8b_on_8_h100_by_hand():
     elements = 36 * per_layer + 2 * 151936 * 4096 // 8 + 4096
     assert r.memory.weights == r.memory.grads == 4 * elements == 4_096_446_464
     assert r.memory.optimizer == 8 * elements
-    # the rollout's decode copy: all 8,190,735,360 parameters in the compute dtype, bfloat16
-    assert r.rollout_weights == 2 * (36 * (192_937_984 + 8448) + 2 * 151936 * 4096 + 4096)
+    # the rollout's decode copy in bfloat16: kernels, embedding and head split over tensor 2,
+    # whole over fsdp; norms whole
+    assert r.rollout_weights == 2 * (36 * (192_937_984 // 2 + 8448) + 151936 * 4096 + 4096)
     # one shard: 1 prompt of 2048 tokens (128 shared pages) x 8 samples of 30720 new tokens
     # (2048 - 128 own pages each), the null page, rounded up to 64 pages
     assert r.pool_pages == 15552 >= 128 + 8 * 1920 + 1
@@ -51,9 +52,30 @@ def test_qwen3_8b_on_8_h100_by_hand():
     layer = 32768 * (4096 + 2 * 2048 + 2 * 512 + 4 * 6144) * 2 + 16 * 32768 * 4
     head = 30720 * 4096 * 2 + 3 * 1024 * 75968 * 4 + 75968 * 4096 * (2 + 4)
     assert r.memory.activations == 36 * 32768 * 4096 * 2 + layer + head
-    # the rollout phase (masters and moments, replica, pool) is the peak: 43.8 GiB of the H100's 72 GiB (80 less 10%)
+    # the rollout phase (masters and moments, decode copy, pool) is the peak: 36.2 GiB of the
+    # H100's 72 GiB (80 less 10%)
     assert r.peak == r.rollout_peak == 12 * elements + r.rollout_weights + r.memory.kv_pages
-    assert round(r.peak / GIB, 2) == 43.79
+    assert round(r.peak / GIB, 2) == 36.16
+
+
+def test_qwen3_14b_on_v5e_needs_the_split_decode_copy():
+    """A whole decode copy of Qwen3-14B (29.5 GB in bfloat16) fits no v5e chip: the preset on
+    64 v5e splits it over tensor = 4 (one host's chips); the copy alone, unsplit, is over the
+    chip's limit."""
+    path = CONFIG_DIR / "presets" / "qwen3-14b-v5litepod-64.yaml"
+    r = dry_run(load_run_file(path))
+    assert r.mesh == (1, 16, 4) and r.chip.name == "TPU v5e"
+    # per layer: q, o 5120^2, k, v 5120*1024, MLP 3*5120*17408, split 4 ways; norms
+    # 2*5120 + 2*128 whole; embedding and LM head 151936*5120 each split 4 ways; final norm
+    per_layer = (2 * 5120 * 5120 + 2 * 5120 * 1024 + 3 * 5120 * 17408) // 4 + 10496
+    assert r.rollout_weights == 2 * (40 * per_layer + 2 * 151936 * 5120 // 4 + 5120)
+    assert round(r.rollout_weights / GIB, 2) == 6.88
+    r.check_fits()
+    data = yaml.safe_load(path.read_text())
+    data["mesh"] = {"data": 1, "fsdp": 64, "tensor": 1}
+    whole = dry_run(run_file_from_dict(data))
+    assert whole.rollout_weights == 2 * 14_768_307_200 > whole.limit    # the copy alone
+    assert whole.rollout_peak > whole.limit
 
 
 def test_qwen3_1_7b_on_v5p_8_by_hand():

@@ -1,8 +1,9 @@
 """The rollout's per-call set-up on a mesh: the decode copy of the weights (cast to the compute
-dtype, whole on every device) as one jitted program, and the sharded cache built without a
-compilation per call; with several processes, each one's local copy taken from the gathered
-weights' own shards. On two H100s the copy by ``jax.device_put`` took 2.3 s of every rollout
-and the cache's builder recompiled each time (0.2 s); the one-GPU rollout paid neither.
+dtype, split over ``tensor`` by the rollout's layout and whole over the row axes) as one jitted
+program, and the sharded cache built without a compilation per call; with several processes,
+each one's local copy taken from the gathered weights' own shards. On two H100s the copy by
+``jax.device_put`` took 2.3 s of every rollout and the cache's builder recompiled each time
+(0.2 s); the one-GPU rollout paid neither.
 
 Runs as a script in a subprocess on simulated CPU devices where the suite's process has one
 device; on a multi-GPU host (``scripts/multi_gpu.py``'s tests) on its GPUs."""
@@ -29,8 +30,10 @@ def test_decode_weights_and_cache_on_a_mesh():
         out = out.getvalue()
     else:
         out = run_on_simulated_devices(Path(__file__).resolve())
-    for line in ("weights whole on the mesh", "local replica without a copy",
-                 "cache compiled once"):
+    lines = ["decode copy on the mesh", "local replica without a copy", "cache compiled once"]
+    if jax.device_count() >= 4:
+        lines.append("local tensor blocks")
+    for line in lines:
         assert f"{line}: ok" in out, out
 
 
@@ -45,34 +48,61 @@ def main():
 
     cfg = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                       num_attention_heads=4, num_key_value_heads=2, head_dim=16)
-    mesh = sharding.make_mesh(sharding.MeshConfig(1, 2, 1), jax.devices()[:2])
-    devices = set(mesh.devices.flat)
+    # The blocks each layout gives a device, by hand: (rows, columns) of a tensor shard t of 2.
+    split = {"embed_tokens": (True, False), "lm_head": (True, False),
+             "q_proj/kernel": (False, True), "k_proj/kernel": (False, True),
+             "v_proj/kernel": (False, True),
+             "gate_proj/kernel": (False, True), "up_proj/kernel": (False, True),
+             "o_proj/kernel": (True, False), "down_proj/kernel": (True, False)}
 
-    # Float32 masters computing in bfloat16, sharded over fsdp as the trainer holds them; and
-    # the same weights committed to one device (a notebook's model), which takes the fallback.
-    sharded = init_model(cfg, dtype=jnp.bfloat16)
-    expect = {path: np.asarray(x).astype(jnp.bfloat16) if np.issubdtype(x.dtype, np.floating)
-              else np.asarray(x) for path, x in nnx.to_flat_state(nnx.state(sharded))}
-    sharding.shard_model(sharded, mesh)
-    assert any(not x.sharding.is_fully_replicated for x in jax.tree.leaves(nnx.state(sharded)))
-    alone = init_model(cfg, dtype=jnp.bfloat16)
-    nnx.update(alone, jax.device_put(nnx.state(alone), jax.devices()[0]))
-    for model in (sharded, alone):
-        _, params = engine.model_params(model, mesh)
-        assert engine._cast_whole.cache_info().currsize >= 1   # the jitted copy, not device_put
-        for path, x in nnx.to_flat_state(params):
-            assert x.sharding.device_set == devices and x.sharding.is_fully_replicated, path
-            assert x.dtype == expect[path].dtype, (path, x.dtype)
-            np.testing.assert_array_equal(np.asarray(x), expect[path], err_msg=str(path))
-    # Weights that already are the copy (compute dtype, whole on the mesh) are not copied again.
-    ready = init_model(cfg, dtype=jnp.float32)
-    nnx.update(ready, jax.device_put(nnx.state(ready), jax.sharding.NamedSharding(
-        mesh, jax.sharding.PartitionSpec())))
-    _, params = engine.model_params(ready, mesh)
-    for (path, x), y in zip(nnx.to_flat_state(nnx.state(ready)), jax.tree.leaves(params)):
-        assert y.addressable_shards[0].data.unsafe_buffer_pointer() == (
-            x.addressable_shards[0].data.unsafe_buffer_pointer()), path
-    print("weights whole on the mesh: ok")
+    def block(path, x, tensor, t):
+        """The part of the whole ``x`` a device of tensor index t holds."""
+        rows, cols = next((v for k, v in split.items() if path.endswith(k)), (False, False))
+        if tensor == 1 or not (rows or cols):
+            return x
+        if rows:
+            n = x.shape[0] // tensor
+            return x[t * n:(t + 1) * n]
+        n = x.shape[1] // tensor
+        return x[:, t * n:(t + 1) * n]
+
+    for shape in ((1, 2, 1), (1, 1, 2)):
+        mesh = sharding.make_mesh(sharding.MeshConfig(*shape), jax.devices()[:2])
+        devices = set(mesh.devices.flat)
+        tensor = mesh.shape["tensor"]
+        # Float32 masters computing in bfloat16, sharded over fsdp and tensor as the trainer
+        # holds them; and the same weights committed to one device (a notebook's model), which
+        # takes the fallback.
+        sharded = init_model(cfg, dtype=jnp.bfloat16)
+        expect = {"/".join(map(str, path)): np.asarray(x).astype(jnp.bfloat16)
+                  if np.issubdtype(x.dtype, np.floating) else np.asarray(x)
+                  for path, x in nnx.to_flat_state(nnx.state(sharded))}
+        sharding.shard_model(sharded, mesh)
+        assert any(not x.sharding.is_fully_replicated
+                   for x in jax.tree.leaves(nnx.state(sharded)))
+        alone = init_model(cfg, dtype=jnp.bfloat16)
+        nnx.update(alone, jax.device_put(nnx.state(alone), jax.devices()[0]))
+        for model in (sharded, alone):
+            _, params = engine.model_params(model, mesh)
+            assert engine._cast_onto.cache_info().currsize >= 1   # the jitted copy, not device_put
+            for path, x in nnx.to_flat_state(params):
+                path = "/".join(map(str, path))
+                assert x.sharding.device_set == devices, path
+                assert x.dtype == expect[path].dtype, (path, x.dtype)
+                for shard in x.addressable_shards:
+                    t = mesh.devices.flatten().tolist().index(shard.device) % tensor
+                    np.testing.assert_array_equal(np.asarray(shard.data),
+                                                  block(path, expect[path], tensor, t),
+                                                  err_msg=f"{path} on tensor shard {t}")
+        # Weights that already are the copy (compute dtype, laid out) are not copied again.
+        ready = init_model(cfg, dtype=jnp.float32)
+        _, laid = engine.model_params(ready, mesh)
+        nnx.update(ready, laid)
+        _, params = engine.model_params(ready, mesh)
+        for (path, x), y in zip(nnx.to_flat_state(nnx.state(ready)), jax.tree.leaves(params)):
+            assert y.addressable_shards[0].data.unsafe_buffer_pointer() == (
+                x.addressable_shards[0].data.unsafe_buffer_pointer()), path
+    print("decode copy on the mesh: ok")
 
     # A process's share of the run's mesh (its own devices): the whole weights gathered over
     # the run's mesh, then replicated on the local mesh from their own shards, with no copy.
@@ -82,7 +112,7 @@ def main():
     local_mesh = sharding.make_mesh(sharding.MeshConfig(1, len(mine), 1), mine)
     x = jax.device_put(np.arange(24.0, dtype=np.float32).reshape(4, 6),
                        jax.sharding.NamedSharding(run_mesh, jax.sharding.PartitionSpec()))
-    local = sharding.local_replica(x, local_mesh)
+    local = sharding.local_shards(x, local_mesh)
     assert local.sharding.is_fully_replicated
     assert local.sharding.device_set == set(mine)
     np.testing.assert_array_equal(np.asarray(local), np.asarray(x))
@@ -91,6 +121,36 @@ def main():
                for s in local.addressable_shards)
     print("local replica without a copy: ok")
 
+    if jax.device_count() >= 4:
+        # Split over tensor: the run's mesh (1, 2, 2); this process's devices hold one block of
+        # each tensor index. In the mesh's own order no copy; in the other order each device
+        # takes a copy of the block its neighbour holds; a layout no local device holds raises.
+        spec = jax.sharding.PartitionSpec(None, "tensor")
+        run_mesh = sharding.make_mesh(sharding.MeshConfig(1, 2, 2), jax.devices()[:4])
+        x = jax.device_put(np.arange(24.0, dtype=np.float32).reshape(4, 6),
+                           jax.sharding.NamedSharding(run_mesh, spec))
+        mine = list(run_mesh.devices[0, 1])
+        source = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
+        for order in (mine, mine[::-1]):
+            local_mesh = jax.make_mesh((1, 1, 2), sharding.AXES, devices=order,
+                                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+            local = sharding.local_shards(x, local_mesh, spec)
+            assert local.sharding.spec == spec and local.sharding.device_set == set(mine)
+            np.testing.assert_array_equal(np.asarray(local), np.asarray(x))
+            copied = [s.data.unsafe_buffer_pointer() != source[s.device]
+                      for s in local.addressable_shards]
+            assert not any(copied) if order == mine else all(copied), (order, copied)
+        try:
+            sharding.local_shards(x, jax.make_mesh((1, 1, 1), sharding.AXES, devices=mine[:1]),
+                                  jax.sharding.PartitionSpec())
+        except ValueError as e:
+            assert "no local device holds block" in str(e), e
+        else:
+            raise AssertionError("a block no local device holds was accepted")
+        print("local tensor blocks: ok")
+
+    mesh = sharding.make_mesh(sharding.MeshConfig(1, 2, 1), jax.devices()[:2])
+    devices = set(mesh.devices.flat)
     table = jax.device_put(np.zeros((2, 8), np.int32),
                            jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec(
                                decode_loop.ROWS)))

@@ -36,28 +36,6 @@ def _check_batch(cache: PagedKVCache, name: str, x, shape_tail=()):
                          f"got {x.shape}")
 
 
-def _head_sharded(attend, axis: str | None):
-    """``attend`` for a cache whose KV heads are split over mesh axis ``axis`` (inside
-    ``shard_map``; None: not split). The model computes every head; this shard attends with its
-    own KV heads and their query heads (query head ``h * G + r`` reads KV head h, so both are one
-    contiguous block), and the shards' outputs are gathered back into head order: a copy, no
-    reduction, so the result is the unsplit one."""
-    if axis is None:
-        return attend
-
-    def sharded(layer, q, k, v, cache, **kwargs):
-        if kwargs.get("prep") is not None:      # every head's partial sums: not this shard's
-            kwargs["prep"] = kwargs["prep"].replace(partials=None)
-        shards, me = jax.lax.axis_size(axis), jax.lax.axis_index(axis)
-        hk, hq = k.shape[2] // shards, q.shape[2] // shards
-        out, cache = attend(layer, jax.lax.dynamic_slice_in_dim(q, me * hq, hq, axis=2),
-                            jax.lax.dynamic_slice_in_dim(k, me * hk, hk, axis=2),
-                            jax.lax.dynamic_slice_in_dim(v, me * hk, hk, axis=2), cache, **kwargs)
-        return jax.lax.all_gather(out, axis, axis=2, tiled=True), cache
-
-    return sharded
-
-
 def _prefill_attend(layer, q, k, v, cache: PagedKVCache, *, start: int):
     """Chunk ``start .. start+C-1``: write its K/V, then attend causally over the row's cache
     (earlier chunks and this one, one gather)."""
@@ -84,7 +62,7 @@ def _prefill_attend(layer, q, k, v, cache: PagedKVCache, *, start: int):
 
 def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.Array, *,
             chunk_size: int | None = None, lora: bool = False,
-            head_axis: str | None = None) -> tuple[jax.Array, PagedKVCache]:
+            tensor_axis: str | None = None) -> tuple[jax.Array, PagedKVCache]:
     """Dense prefill of right-padded prompts ``tokens [B, T]`` with ``prompt_lengths [B]`` into
     ``cache`` (B rows, lengths 0) -> (final-normed hidden of each row's last prompt token
     ``[B, hidden]``, cache with ``lengths = prompt_lengths``).
@@ -93,8 +71,9 @@ def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.A
     attention scores to ``[B, Hq, chunk, T]``: chunk c attends to the earlier chunks through the
     cache and causally within itself. Padding is neither written nor counted.
 
-    ``head_axis``: inside ``shard_map``, the mesh axis the cache's KV heads are split over (the
-    cache holds this shard's heads; the model's weights are whole).
+    ``tensor_axis``: inside ``shard_map``, the mesh axis the cache's KV heads and the model's
+    weights are split over (the cache holds this shard's heads, the weights are in the
+    rollout's layout: :meth:`~sparrow_jax.models.qwen3.Qwen3.forward`).
     """
     if tokens.ndim != 2:
         raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
@@ -118,7 +97,7 @@ def prefill(model, cache: PagedKVCache, tokens: jax.Array, prompt_lengths: jax.A
         positions = jnp.broadcast_to(start + jnp.arange(c, dtype=jnp.int32), (cache.batch, c))
         hidden, cache = model.forward(
             tokens[:, start:start + c], positions, state=cache, lora=lora,
-            attend=_head_sharded(functools.partial(_prefill_attend, start=start), head_axis))
+            attend=functools.partial(_prefill_attend, start=start), tensor_axis=tensor_axis)
         idx = prompt_lengths - 1 - start
         here = jnp.take_along_axis(hidden, jnp.clip(idx, 0, c - 1)[:, None, None], axis=1)[:, 0]
         in_chunk = ((idx >= 0) & (idx < c))[:, None]
@@ -152,7 +131,7 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
                 scorer: str = "centroid", impl: str = "auto",
                 active: jax.Array | None = None, lora: bool = False,
                 max_budget_pages: int | None = None,
-                head_axis: str | None = None) -> tuple[jax.Array, PagedKVCache]:
+                tensor_axis: str | None = None) -> tuple[jax.Array, PagedKVCache]:
     """One token per row: ``tokens [B]`` sit at position ``cache.lengths`` -> (final-normed
     hidden ``[B, hidden]``, cache with the token's K/V appended and ``lengths + 1``).
 
@@ -161,7 +140,7 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
     [B]`` (docs/design.md, section 3; ``impl`` as there: "auto" takes the Pallas kernels on GPU;
     ``max_budget_pages``: its static gather width, default the table's).
     Rows where ``active [B]`` is False (finished) neither write the cache
-    nor grow; their outputs are meaningless. ``head_axis``: as in :func:`prefill`.
+    nor grow; their outputs are meaningless. ``tensor_axis``: as in :func:`prefill`.
     Jit with :data:`decode_step_jit` (cache donated).
     """
     if scorer not in SCORERS:
@@ -181,9 +160,8 @@ def decode_step(model, cache: PagedKVCache, tokens: jax.Array, *,
     attend = functools.partial(_decode_attend, pos=pos, active=active, budget_pages=budget_pages,
                                dense_layers=tuple(dense_layers), scorer=scorer, impl=impl,
                                max_budget_pages=max_budget_pages)
-    attend = _head_sharded(attend, head_axis)
     hidden, cache = model.forward(tokens[:, None], pos[:, None], attend=attend, state=cache,
-                                  lora=lora, decode_kernels="auto")
+                                  lora=lora, decode_kernels="auto", tensor_axis=tensor_axis)
     return hidden[:, 0], cache
 
 
@@ -199,9 +177,9 @@ def next_token_logprobs(model, hidden: jax.Array, temperature: float = 1.0) -> j
     return jax.nn.log_softmax(next_token_logits(model, hidden) / temperature, axis=-1)
 
 
-prefill_jit = nnx.jit(prefill, static_argnames=("chunk_size", "lora", "head_axis"),
+prefill_jit = nnx.jit(prefill, static_argnames=("chunk_size", "lora", "tensor_axis"),
                       donate_argnames=("cache",))
 decode_step_jit = nnx.jit(decode_step,
                           static_argnames=("dense_layers", "scorer", "impl", "lora",
-                                           "max_budget_pages", "head_axis"),
+                                           "max_budget_pages", "tensor_axis"),
                           donate_argnames=("cache",))

@@ -66,15 +66,32 @@ class Linear(nnx.Module):
         self.lora_b = LoRAParam(jnp.zeros((rank, out_features), param_dtype))
         self.lora_scale = scale
 
-    def __call__(self, x: jax.Array, *, lora: bool = False) -> jax.Array:
+    def __call__(self, x: jax.Array, *, lora: bool = False,
+                 sum_over: str | None = None) -> jax.Array:
+        """``sum_over``: inside ``shard_map``, the mesh axis this layer's input features are
+        split over (x, the kernel's rows and LoRA's A hold this shard's part: a row-parallel
+        layer). Each shard's product, adapter included, is summed over the axis in float32,
+        then the bias added once."""
         x = x.astype(self.dtype)
+        if sum_over is not None:
+            return self._summed(x, lora, sum_over)
         y = x @ self.kernel[...].astype(self.dtype)
         if self.bias is not None:
             y = y + self.bias[...].astype(self.dtype)
         if lora and self.lora_a is not None:
-            down = x @ self.lora_a[...].astype(self.dtype)
-            y = y + (self.lora_scale * (down @ self.lora_b[...].astype(self.dtype))).astype(y.dtype)
+            y = y + self._adapter(x).astype(y.dtype)
         return y
+
+    def _adapter(self, x: jax.Array) -> jax.Array:
+        down = x @ self.lora_a[...].astype(self.dtype)
+        return self.lora_scale * (down @ self.lora_b[...].astype(self.dtype))
+
+    def _summed(self, x: jax.Array, lora: bool, axis: str) -> jax.Array:
+        y = jnp.matmul(x, self.kernel[...].astype(self.dtype), preferred_element_type=jnp.float32)
+        if lora and self.lora_a is not None:
+            y = y + self._adapter(x).astype(jnp.float32)
+        y = jax.lax.psum(y, axis).astype(self.dtype)
+        return y if self.bias is None else y + self.bias[...].astype(self.dtype)
 
 
 def attach_lora(model: nnx.Module, config: LoRAConfig, key: jax.Array) -> nnx.Module:

@@ -59,8 +59,7 @@ class Attention(nnx.Module):
         self.o_proj = Linear(cfg.num_attention_heads * hd, d, **lin)
         self.q_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
         self.k_norm = RMSNorm(hd, cfg.rms_norm_eps, param_dtype=param_dtype)
-        self.num_heads, self.num_kv_heads, self.head_dim = (
-            cfg.num_attention_heads, cfg.num_key_value_heads, hd)
+        self.head_dim = hd
 
     def heads(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
               decode_kernels: str | None = None):
@@ -74,24 +73,25 @@ class Attention(nnx.Module):
             q, k, v = (self.q_proj(x, lora=lora), self.k_proj(x, lora=lora),
                        self.v_proj(x, lora=lora))
         else:       # the sums XLA computes only for an attend that reads them
-            nq, nk = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+            nq, nk = self.q_proj.kernel.shape[1], self.k_proj.kernel.shape[1]
             q, k, v = jnp.split(jnp.sum(parts[:, :b * t], axis=0).astype(self.q_proj.dtype),
                                 [nq, nq + nk], axis=-1)
-        q = constrain(q.reshape(b, t, self.num_heads, self.head_dim), "BTHK")
-        k = constrain(k.reshape(b, t, self.num_kv_heads, self.head_dim), "BTHK")
-        v = constrain(v.reshape(b, t, self.num_kv_heads, self.head_dim), "BTHK")
+        # -1 heads: under a tensor split (forward's ``tensor_axis``) this shard's heads.
+        q = constrain(q.reshape(b, t, -1, self.head_dim), "BTHK")
+        k = constrain(k.reshape(b, t, -1, self.head_dim), "BTHK")
+        v = constrain(v.reshape(b, t, -1, self.head_dim), "BTHK")
         prep = QKPrep(self.q_norm.weight[...], self.k_norm.weight[...], cos, sin,
                       eps=self.q_norm.eps, partials=parts)
         if decode_kernels is not None:
             out, state = attend(layer, q, k, v, state, prep=prep)
         else:
             out, state = attend(layer, *prep(q, k), v, state)
-        return out.astype(x.dtype).reshape(b, t, self.num_heads * self.head_dim), state
+        return out.astype(x.dtype).reshape(b, t, -1), state
 
     def __call__(self, x, cos, sin, layer: int, attend: AttendFn, state, lora: bool,
-                 decode_kernels: str | None = None):
+                 decode_kernels: str | None = None, tensor_axis: str | None = None):
         out, state = self.heads(x, cos, sin, layer, attend, state, lora, decode_kernels)
-        return self.o_proj(out, lora=lora), state
+        return self.o_proj(out, lora=lora, sum_over=tensor_axis), state
 
 
 class MLP(nnx.Module):
@@ -110,9 +110,10 @@ class MLP(nnx.Module):
             return act
         return jax.nn.silu(g(x, lora=lora)) * u(x, lora=lora)
 
-    def __call__(self, x, lora: bool):
+    def __call__(self, x, lora: bool, tensor_axis: str | None = None):
         gate = jax.nn.silu(self.gate_proj(x, lora=lora))
-        return self.down_proj(constrain(gate * self.up_proj(x, lora=lora), "BTF"), lora=lora)
+        return self.down_proj(constrain(gate * self.up_proj(x, lora=lora), "BTF"), lora=lora,
+                              sum_over=tensor_axis)
 
 
 class Block(nnx.Module):
@@ -123,15 +124,16 @@ class Block(nnx.Module):
                                                 param_dtype=param_dtype)
         self.mlp = MLP(cfg, dtype=dtype, param_dtype=param_dtype, rngs=rngs)
 
-    def __call__(self, x, cos, sin, layer, attend, state, lora, decode_kernels=None):
+    def __call__(self, x, cos, sin, layer, attend, state, lora, decode_kernels=None,
+                 tensor_axis=None):
         h, state = self.self_attn(self.input_layernorm(x), cos, sin, layer, attend, state, lora,
-                                  decode_kernels)
+                                  decode_kernels, tensor_axis)
         x = x + h
-        x = x + self.mlp(self.post_attention_layernorm(x), lora)
+        x = x + self.mlp(self.post_attention_layernorm(x), lora, tensor_axis)
         return x, state
 
     def decode(self, x, normed, cos, sin, layer, attend, state, lora, decode_kernels,
-               next_norm: RMSNorm):
+               next_norm: RMSNorm, tensor_axis: str | None = None):
         """The decode form: x ``[M, hidden]`` (the residual stream, M = B * T) and ``normed``
         (this block's input norm of it, which the block before computed) -> (x after the
         block, ``next_norm`` of it, state). Each projection into the residual stream ends in
@@ -142,10 +144,12 @@ class Block(nnx.Module):
                                         state, lora, decode_kernels)
         post = self.post_attention_layernorm
         x, normed = project_add_norm(self.self_attn.o_proj, h.reshape(b * t, -1), x,
-                                     post.weight[...], post.eps, lora=lora, impl=decode_kernels)
+                                     post.weight[...], post.eps, lora=lora, impl=decode_kernels,
+                                     sum_over=tensor_axis)
         act = self.mlp.activation(normed, lora, decode_kernels)
         x, normed = project_add_norm(self.mlp.down_proj, act, x, next_norm.weight[...],
-                                     next_norm.eps, lora=lora, impl=decode_kernels)
+                                     next_norm.eps, lora=lora, impl=decode_kernels,
+                                     sum_over=tensor_axis)
         return x, normed, state
 
 
@@ -175,40 +179,67 @@ class Qwen3(nnx.Module):
         w = self.embed_tokens if self.lm_head is None else self.lm_head
         return w[...].astype(self.dtype)
 
-    def embed(self, tokens: jax.Array) -> jax.Array:
-        return jnp.take(self.embed_tokens[...], tokens, axis=0).astype(self.dtype)
+    def embed(self, tokens: jax.Array, tensor_axis: str | None = None) -> jax.Array:
+        """tokens ``[...]`` -> embeddings ``[..., hidden]`` in the compute dtype. Under a
+        ``tensor_axis`` whose shards hold contiguous blocks of the vocabulary's rows, each shard
+        looks up the tokens in its block and the shards' results are summed (one is nonzero)."""
+        table = self.embed_tokens[...]
+        rows = table.shape[0]
+        if tensor_axis is None or rows == self.config.vocab_size:
+            return jnp.take(table, tokens, axis=0).astype(self.dtype)
+        local = tokens - jax.lax.axis_index(tensor_axis) * rows
+        mine = (local >= 0) & (local < rows)
+        x = jnp.take(table, jnp.where(mine, local, 0), axis=0).astype(self.dtype)
+        return jax.lax.psum(jnp.where(mine[..., None], x, 0), tensor_axis)
+
+    def logits(self, hidden: jax.Array, tensor_axis: str | None = None) -> jax.Array:
+        """hidden ``[..., hidden]`` -> float32 logits ``[..., vocab]``; under a ``tensor_axis``
+        that splits the head's vocabulary rows, each shard's block gathered in order."""
+        head = self.head_weight()
+        out = logits_from_hidden(hidden, head)
+        if tensor_axis is None or head.shape[0] == self.config.vocab_size:
+            return out
+        return jax.lax.all_gather(out, tensor_axis, axis=out.ndim - 1, tiled=True)
 
     def forward(self, tokens: jax.Array, positions: jax.Array | None = None, *,
                 attend: AttendFn = causal_attend, state: Any = None, lora: bool = False,
-                embeddings: jax.Array | None = None,
-                decode_kernels: str | None = None) -> tuple[jax.Array, Any]:
+                embeddings: jax.Array | None = None, decode_kernels: str | None = None,
+                tensor_axis: str | None = None) -> tuple[jax.Array, Any]:
         """tokens ``[B, T]`` int, positions ``[B, T]`` (default ``arange(T)``) ->
         (final-normed hidden ``[B, T, hidden]`` in the compute dtype, attention state).
 
         ``decode_kernels``: the decode step's form ("auto", "pallas" or "xla"; None: the
         general one): ``attend`` applies q/k-norm and RoPE itself (see :data:`AttendFn`), and
         where :func:`sparrow_jax.models.decode_kernels.kernels_apply` says kernels may run,
-        the layers run as :meth:`Block.decode` (no remat: the decode form is for inference)."""
+        the layers run as :meth:`Block.decode` (no remat: the decode form is for inference).
+
+        ``tensor_axis``: inside ``shard_map``, the mesh axis the weights are split over in the
+        rollout's layout (:func:`sparrow_jax.sharding.rollout_specs`): each shard holds its
+        block of the heads, of the MLP width and of the vocabulary, computes its heads (the
+        attend receives those) and its part of the MLP, and the row-parallel O and down
+        projections sum over the axis; the residual stream is whole on every shard."""
         if tokens.ndim != 2:
             raise ValueError(f"tokens must be [batch, seq], got shape {tokens.shape}")
         if positions is None:
             positions = jnp.broadcast_to(jnp.arange(tokens.shape[1], dtype=jnp.int32),
                                          tokens.shape)
-        x = constrain(self.embed(tokens) if embeddings is None else embeddings, "BTD")
+        x = constrain(self.embed(tokens, tensor_axis) if embeddings is None else embeddings,
+                      "BTD")
         cos, sin = rope_angles(positions, self.config.head_dim, self.config.rope_theta)
         if decode_kernels is not None and kernels_apply(decode_kernels):
-            return self._decode_layers(x, cos, sin, attend, state, lora, decode_kernels)
+            return self._decode_layers(x, cos, sin, attend, state, lora, decode_kernels,
+                                       tensor_axis)
         for i, block in enumerate(self.layers):
             if self.remat:
-                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7, 8),
+                x, state = nnx.remat(Block.__call__, static_argnums=(4, 5, 7, 8, 9),
                                      policy=REMAT_POLICY)(
-                    block, x, cos, sin, i, attend, state, lora, decode_kernels)
+                    block, x, cos, sin, i, attend, state, lora, decode_kernels, tensor_axis)
             else:
-                x, state = block(x, cos, sin, i, attend, state, lora, decode_kernels)
+                x, state = block(x, cos, sin, i, attend, state, lora, decode_kernels, tensor_axis)
             x = constrain(x, "BTD")
         return self.norm(x), state
 
-    def _decode_layers(self, x, cos, sin, attend, state, lora, decode_kernels):
+    def _decode_layers(self, x, cos, sin, attend, state, lora, decode_kernels, tensor_axis):
         """The layers in their decode form: each block hands the next one its input norm (the
         last one the final norm)."""
         b, t, d = x.shape
@@ -217,7 +248,7 @@ class Qwen3(nnx.Module):
         norms = [block.input_layernorm for block in self.layers[1:]] + [self.norm]
         for i, (block, next_norm) in enumerate(zip(self.layers, norms)):
             x, normed, state = block.decode(x, normed, cos, sin, i, attend, state, lora,
-                                            decode_kernels, next_norm)
+                                            decode_kernels, next_norm, tensor_axis)
         return normed.reshape(b, t, d), state
 
     def __call__(self, tokens: jax.Array, positions: jax.Array | None = None, *,

@@ -322,20 +322,25 @@ class Trainer:
         return self.rollout_fn(model, prompts, key, n, **extra)
 
     def _local_policy(self):
-        """-> (the policy with whole weights in the compute dtype on this process's devices,
-        replicated on the mesh of its local devices; or on its one device, the mesh None). The
-        local copies are the shards of one cast-and-gather over the run's mesh, which is the
-        rollout's decode copy (``model_params`` takes it as it is): no float32 whole copy, and
-        no ``jax.device_put`` from one device onto the others (seconds a call)."""
+        """-> (the policy's decode copy on this process's devices: in the compute dtype, laid
+        out on the mesh of its local devices as the rollout's (split over ``tensor``); or
+        whole on its one device, the mesh None). The local arrays are the shards of one
+        cast-and-gather over the run's mesh into that layout (``model_params`` takes them as
+        they are): no float32 whole copy, and no ``jax.device_put`` from one device onto the
+        others (seconds a call)."""
         from sparrow_jax.rollout.engine import to_compute_dtype
 
         graphdef, state = nnx.split(self.model)
         cast = to_compute_dtype(jnp.dtype(self.model.dtype))
-        whole = jax.jit(lambda s: jax.tree.map(cast, s), out_shardings=jax.sharding.NamedSharding(
-            self.mesh, jax.sharding.PartitionSpec()))(state)
         mesh = self._rollout_mesh()
-        local = jax.tree.map(lambda x: x.addressable_data(0) if mesh is None
-                             else sharding.local_replica(x, mesh), whole)
+        # The run's tensor axis where the local mesh splits over it too, else whole copies.
+        specs = sharding.rollout_specs(state, 1 if mesh is None else mesh.shape["tensor"])
+        copy = jax.jit(lambda s: jax.tree.map(cast, s), out_shardings=jax.tree.map(
+            lambda spec: jax.sharding.NamedSharding(self.mesh, spec), specs,
+            is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec)))(state)
+        local = jax.tree.map(lambda x, spec: x.addressable_data(0) if mesh is None
+                             else sharding.local_shards(x, mesh, spec), copy, specs,
+                             is_leaf=lambda x: isinstance(x, jax.sharding.PartitionSpec))
         return nnx.merge(graphdef, local), mesh
 
     def _rollout_mesh(self):

@@ -28,12 +28,12 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
 from sparrow_jax.attention.decode import decode_step, prefill
 from sparrow_jax.attention.paged_cache import PagedKVCache, fork, init_cache
-from sparrow_jax.models.qwen3 import logits_from_hidden
 from sparrow_jax.rollout.budget import BudgetShape, budget_pages, gather_width
 from sparrow_jax.rollout.sampling import (SamplingParams, sample_from_logprobs,
                                           scaled_log_softmax, step_keys)
 from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.schedule import BudgetSchedule
+from sparrow_jax.sharding import rollout_specs
 
 UNFINISHED = -1   # LoopState.finish of a running row
 
@@ -190,16 +190,16 @@ def top_k(x: jax.Array, k: int, group: int = 128) -> tuple[jax.Array, jax.Array]
     return top, ids.astype(jnp.int32)
 
 
-def emit(state: LoopState, hidden: jax.Array, head: jax.Array, budget: jax.Array,
+def emit(state: LoopState, logits: jax.Array, budget: jax.Array,
          settings: DecodeSettings) -> LoopState:
-    """Samples each active row's next token from ``hidden [S, D]``, records it, and marks rows
-    that finish (EOS, a stop sequence, or the row's cap)."""
+    """Samples each active row's next token from ``logits [S, V]`` (float32), records it, and
+    marks rows that finish (EOS, a stop sequence, or the row's cap)."""
     s, t = state.tokens.shape
     r = state.logprobs.shape[1]
     rows = jnp.arange(s)
     active = state.active
     j = state.response_lengths
-    logp = scaled_log_softmax(logits_from_hidden(hidden, head), settings.sampling.temperature)
+    logp = scaled_log_softmax(logits, settings.sampling.temperature)
     token, token_lp = sample_from_logprobs(step_keys(state.streams, j), logp, settings.sampling)
     top_lp, top_ids = top_k(logp, settings.top_k)
 
@@ -239,8 +239,14 @@ def _on_mesh(body, mesh: Mesh | None, in_specs, out_specs):
                          check_vma=False)
 
 
-def _head_axis(settings: DecodeSettings) -> str | None:
+def _tensor_axis(settings: DecodeSettings) -> str | None:
     return None if settings.mesh is None or settings.mesh.shape[HEADS] == 1 else HEADS
+
+
+def _param_specs(params, settings: DecodeSettings):
+    """The weights' blocks inside ``shard_map``: the rollout's layout
+    (:func:`~sparrow_jax.sharding.rollout_specs`, which ``model_params`` put them in)."""
+    return rollout_specs(params, settings.mesh.shape[HEADS])
 
 
 @contextlib.contextmanager
@@ -270,7 +276,7 @@ def start(graphdef, params, cache, prompt_tokens, prompt_lengths, prompt_caps, p
         model = nnx.merge(graphdef, params)
         hidden, cache = prefill(model, cache, prompt_tokens, prompt_lengths,
                                 chunk_size=settings.prefill_chunk, lora=settings.lora,
-                                head_axis=_head_axis(settings))
+                                tensor_axis=_tensor_axis(settings))
         cache = fork(cache, page_table, prompt_index, copy_src, copy_dst)
         s, r, k = page_table.shape[0], response_capacity, settings.top_k
         tokens = jnp.zeros((s, prompt_tokens.shape[1] + r), jnp.int32)
@@ -282,13 +288,14 @@ def start(graphdef, params, cache, prompt_tokens, prompt_lengths, prompt_caps, p
             logprobs=jnp.zeros((s, r), jnp.float32), topk_ids=jnp.zeros((s, r, k), jnp.int32),
             topk_logprobs=jnp.full((s, r, k), -jnp.inf, jnp.float32),
             budgets=jnp.zeros((s, r), jnp.int32), streams=streams)
-        state = emit(state, hidden[prompt_index], model.head_weight(),
+        state = emit(state, model.logits(hidden[prompt_index], _tensor_axis(settings)),
                      jnp.zeros((s,), jnp.int32), settings)
         return state._replace(finish=jnp.where(live, state.finish, int(FinishReason.LENGTH)))
 
     rows = PartitionSpec(ROWS)
     mesh = settings.mesh
-    in_specs = None if mesh is None else (PartitionSpec(), cache_specs(cache)) + (rows,) * 9
+    in_specs = None if mesh is None else (_param_specs(params, settings),
+                                          cache_specs(cache)) + (rows,) * 9
     out_specs = None if mesh is None else loop_specs(cache)   # fork keeps the cache's fields
     return _on_mesh(body, mesh, in_specs, out_specs)(
         params, cache, prompt_tokens, prompt_lengths, prompt_caps, page_table, prompt_index,
@@ -306,7 +313,7 @@ def run_chunk(graphdef, params, state: LoopState, budget_values: jax.Array, num_
 
     def body(params, budget_values, state):
         model = nnx.merge(graphdef, params)
-        head = model.head_weight()
+        axis = _tensor_axis(settings)
 
         def step(carry):
             i, st = carry
@@ -317,9 +324,10 @@ def run_chunk(graphdef, params, state: LoopState, budget_values: jax.Array, num_
             hidden, cache = decode_step(
                 model, st.cache, st.last, budget_pages=budget, dense_layers=settings.dense_layers,
                 scorer=settings.scorer, impl=settings.impl, active=st.active, lora=settings.lora,
-                max_budget_pages=settings.max_budget_pages, head_axis=_head_axis(settings))
+                max_budget_pages=settings.max_budget_pages, tensor_axis=axis)
             recorded = jnp.zeros_like(st.last) if budget is None else budget
-            return i + 1, emit(st._replace(cache=cache), hidden, head, recorded, settings)
+            return i + 1, emit(st._replace(cache=cache), model.logits(hidden, axis), recorded,
+                               settings)
 
         def cond(carry):
             i, st = carry
@@ -328,7 +336,8 @@ def run_chunk(graphdef, params, state: LoopState, budget_values: jax.Array, num_
         return jax.lax.while_loop(cond, step, (jnp.int32(0), state))[1]
 
     specs = None if settings.mesh is None else loop_specs(state.cache)
-    state = _on_mesh(body, settings.mesh, (PartitionSpec(), PartitionSpec(), specs), specs)(
+    in_specs = None if specs is None else (_param_specs(params, settings), PartitionSpec(), specs)
+    state = _on_mesh(body, settings.mesh, in_specs, specs)(
         params, budget_values, state)
     return state, jnp.any(state.active)
 

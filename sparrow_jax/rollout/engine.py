@@ -41,6 +41,7 @@ from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, DecodeSettings, LoopSt
 from sparrow_jax.rollout.sampling import SamplingParams, stream_keys
 from sparrow_jax.rollout.types import FinishReason, Rollout
 from sparrow_jax.schedule import BudgetSchedule
+from sparrow_jax.sharding import rollout_specs
 
 
 @dataclasses.dataclass(frozen=True)
@@ -189,11 +190,13 @@ def generate(model, prompts: Sequence[Sequence[int]], config: RolloutConfig, key
     groups over ``data x fsdp``, all n samples of a prompt in one group; each group has its own
     page pool (``num_pages`` and ``max_total_tokens`` count one group's pool) and page table,
     and the KV heads of every pool are split over ``tensor`` (which must divide the model's KV
-    heads). Page selection, per (sequence, KV head), thus needs no communication: prefill and
-    decode run inside ``shard_map``, the only collective a gather of each layer's attention
-    output over ``tensor``. The weights are replicated on the mesh once per call (gathered if
-    the caller's are sharded). The result's rows are sharded over ``data x fsdp``. The tokens are
-    those of the call without a mesh (same streams), up to float rounding in the logits.
+    heads and the MLP width). Page selection, per (sequence, KV head), thus needs no
+    communication: prefill and decode run inside ``shard_map``. The weights are laid out once
+    per call as the rollout's decode copy (:func:`model_params`): heads, MLP width and
+    vocabulary split over ``tensor``, whole over ``data x fsdp``; each layer's O and down
+    projections then sum over ``tensor`` and the logits are gathered over it. The result's
+    rows are sharded over ``data x fsdp``. The tokens are those of the call without a mesh
+    (same streams), up to float rounding in the logits.
     """
     batch = plan_batch(model, prompts, config, schedule, lora=lora, prompt_ids=prompt_ids,
                        mesh=mesh, schedule_bound=schedule_bound, max_new_tokens=max_new_tokens)
@@ -309,7 +312,9 @@ def plan_batch(model, prompts: Sequence[Sequence[int]], config: RolloutConfig,
 
 def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.State]:
     """The model as (graphdef, params) for the decode loop, its floating weights in the compute
-    dtype; under ``mesh``, replicated on it (cast, then gathered if sharded).
+    dtype; under ``mesh``, laid out on it by :func:`~sparrow_jax.sharding.rollout_specs` (split
+    over ``tensor``, whole over the row axes: cast, then gathered where the caller's are split
+    further).
 
     Every layer casts its weights to the compute dtype at use (docs/design.md, section 1), so
     the copy holds the very values the layers would compute with, while each decode step reads
@@ -320,21 +325,25 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
     On the mesh the cast and the gather are one jitted program (collectives over the devices'
     links): ``jax.device_put`` of the sharded weights took 2.3 s a call for Qwen3-1.7B over two
     H100s, the program 0.02 s. Weights not on the mesh's devices (a model on one device) are
-    cast where they lie, then put there whole."""
+    cast where they lie, then put there."""
     graphdef, params = nnx.split(model)
     dtype = jnp.dtype(model.dtype)
     if mesh is None:
         return graphdef, jax.tree.map(to_compute_dtype(dtype), params)
-    whole = NamedSharding(mesh, PartitionSpec())
+    leaves, treedef = jax.tree.flatten(params)
+    targets = tuple(NamedSharding(mesh, spec) for spec in jax.tree.leaves(
+        rollout_specs(params, mesh.shape[HEADS]), is_leaf=lambda x: isinstance(x, PartitionSpec)))
     devices = set(mesh.devices.flat)
-    leaves = [x for x in jax.tree.leaves(params) if isinstance(x, jax.Array)]
-    if all(x.sharding.device_set == devices and x.sharding.is_fully_replicated
-           and (x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating)) for x in leaves):
+    if all(x.sharding.is_equivalent_to(t, x.ndim)
+           and (x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating))
+           for x, t in zip(leaves, targets)):
         return graphdef, params             # already the copy: a jitted identity would copy
     if any(x.sharding.device_set != devices for x in leaves):
         # Cast where they lie, then put there: never a whole float32 copy on every device.
-        return graphdef, jax.device_put(jax.tree.map(to_compute_dtype(dtype), params), whole)
-    return graphdef, _cast_whole(dtype, whole)(params)
+        cast = to_compute_dtype(dtype)
+        return graphdef, treedef.unflatten(
+            [jax.device_put(cast(x), t) for x, t in zip(leaves, targets)])
+    return graphdef, treedef.unflatten(_cast_onto(dtype, targets)(leaves))
 
 
 def to_compute_dtype(dtype):
@@ -343,11 +352,12 @@ def to_compute_dtype(dtype):
 
 
 @functools.lru_cache(maxsize=None)
-def _cast_whole(dtype, sharding):
-    """The jitted cast of :func:`model_params` onto ``sharding`` (fixed at jit, as a sharding
-    constraint cannot name a mesh's Explicit axes)."""
+def _cast_onto(dtype, shardings: tuple[NamedSharding, ...]):
+    """The jitted cast of :func:`model_params`' weights (a list, one per sharding) onto
+    ``shardings`` (fixed at jit, as a sharding constraint cannot name a mesh's Explicit
+    axes)."""
     cast = to_compute_dtype(dtype)
-    return jax.jit(lambda params: jax.tree.map(cast, params), out_shardings=sharding)
+    return jax.jit(lambda leaves: [cast(x) for x in leaves], out_shardings=list(shardings))
 
 
 def start_batch(batch: DecodeBatch, graphdef, params, key: jax.Array) -> LoopState:
@@ -410,13 +420,16 @@ def read_out(batch: DecodeBatch, state: LoopState) -> Rollout:
 
 def check_mesh(mesh: Mesh, model_config, caller: str = "generate") -> None:
     """ValueError unless ``mesh`` has the rollout's axes and its ``tensor`` axis divides the
-    model's KV heads."""
+    model's KV heads and MLP width (the vocabulary is split only where it divides)."""
     if set(mesh.axis_names) != {*ROWS, HEADS}:
         raise ValueError(f"{caller}: the mesh's axes must be ('data', 'fsdp', 'tensor'), got "
                          f"{mesh.axis_names}")
-    t, h = mesh.shape[HEADS], model_config.num_key_value_heads
-    if h % t:
-        raise ValueError(f"{caller}: mesh axis tensor={t} must divide the model's {h} KV heads")
+    t = mesh.shape[HEADS]
+    for what, size in (("KV heads", model_config.num_key_value_heads),
+                       ("MLP width", model_config.intermediate_size)):
+        if size % t:
+            raise ValueError(f"{caller}: mesh axis tensor={t} must divide the model's {size} "
+                             f"{what}")
 
 
 class BatchLayout(NamedTuple):
