@@ -71,6 +71,50 @@ def test_sampled_rollout_equals_one_device_on_every_mesh():
     assert _checked(out) == (len(meshes), sum(m[2] > 1 for m in meshes)), out
 
 
+@pytest.mark.skipif(jax.default_backend() != "gpu" or jax.device_count() < 2,
+                    reason="needs two GPUs: the decode kernels run on GPUs only")
+def test_decode_kernels_on_a_tensor_split_in_bfloat16():
+    """On two GPUs, in bfloat16, at a shape where the decode step's kernels apply to each
+    shard's block (the q/k/v partial sums and the gate-up kernel on half the heads and half the
+    MLP width): a (1, 1, 2) rollout against one GPU's. Until the first differing token of a row
+    (near-ties in bfloat16) the log-probs agree to bfloat16 rounding; wrong blocks would send
+    them apart at the first decode step."""
+    import dataclasses
+
+    import jax.numpy as jnp
+
+    from pallas_kernels.decode_gemm_gpu import gemm_limits
+    from pallas_kernels.decode_mlp_gpu import kernel_limits
+    from sparrow_jax.models.qwen3 import init_model
+    from sparrow_jax.rollout.engine import RolloutConfig, generate
+    from sparrow_jax.schedule import BudgetSchedule
+
+    cfg = dataclasses.replace(CFG, vocab_size=256, hidden_size=256, intermediate_size=512,
+                              head_dim=128)
+    rows = N * len(LENGTHS)
+    assert gemm_limits(rows, 256, 256 + 2 * 128, jnp.bfloat16) is None      # q, k, v halves
+    assert kernel_limits(rows, 256, 256, jnp.bfloat16) is None              # gate, up halves
+    model = init_model(cfg, seed=0, dtype=jnp.bfloat16)
+    config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
+                           prompt_multiple=32, steps_per_call=R, dense_layers=(0,), page_seed=3,
+                           table_bucket_pages=None)
+    schedule, key = BudgetSchedule.fixed(3, page_size=P), jax.random.key(4)
+    ref = generate(model, _prompts(), config, key, schedule)
+    got = generate(model, _prompts(), config, key, schedule,
+                   mesh=jax.make_mesh((1, 1, 2), ("data", "fsdp", "tensor"),
+                                      devices=jax.devices()[:2]))
+    rt, gt = np.asarray(ref.tokens), np.asarray(got.tokens)
+    pl = np.asarray(ref.prompt_lengths)
+    agreed = 0
+    for b in range(len(pl)):
+        a, g = rt[b, pl[b]:pl[b] + R], gt[b, pl[b]:pl[b] + R]
+        j = int(np.argmax(a != g)) if (a != g).any() else R
+        np.testing.assert_allclose(np.asarray(got.logprobs)[b, :j],
+                                   np.asarray(ref.logprobs)[b, :j], atol=0.05, err_msg=str(b))
+        agreed += j
+    assert agreed >= len(pl) * R // 2, agreed     # most positions compared, not a few
+
+
 def test_mesh_axes_are_checked():
     from sparrow_jax.models.qwen3 import init_model
     from sparrow_jax.rollout.engine import RolloutConfig, generate
