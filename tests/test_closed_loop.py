@@ -84,6 +84,29 @@ def test_ladder_rungs_and_bounds():
     np.testing.assert_array_equal(cl.init_state([0, 2], CFG).upper, [1, 4])
 
 
+def test_a_bin_no_response_reaches_does_not_floor_later_bins():
+    s = cl.init_state([4, 10, 12], CFG)
+    quiet = np.array([0, 0, 50])    # long prompts: responses start in bin 2
+    s = _run(s, [[np.nan, np.nan, 0.95]] * 3, tokens=quiet)
+    # bin 2: 12 -> floor(12 / 1.25) = 9; bin 1, never reached, comes down with it (the running
+    # maximum would have kept bin 2 at 10); bin 0 is below already
+    np.testing.assert_array_equal(s.table, [4, 9, 9])
+    np.testing.assert_array_equal(s.held, [0, 0, 1])
+    s = _run(s, [[np.nan, np.nan, 0.95]] * 3, tokens=quiet)
+    np.testing.assert_array_equal(s.table, [4, 7, 7])     # 9 -> 7; bin 1's lower bound is 5
+    # once bin 1 holds tokens it is a bin like the others: low, one rung up, bin 2 lifted
+    s = cl.advance(s, [np.nan, 0.5, 0.95], np.array([0, 50, 50]), CFG)
+    np.testing.assert_array_equal(s.table, [4, 9, 9])
+    np.testing.assert_array_equal(s.held, [0, 1, 1])
+    # held stays held: bin 1 without tokens now floors bin 2 as any bin does
+    s = _run(s, [[np.nan, np.nan, 0.95]] * 3, tokens=quiet)
+    np.testing.assert_array_equal(s.table, [4, 9, 9])
+    # a checkpoint record written before `held` existed: every bin counts as held
+    record = {k: v for k, v in s.to_dict().items() if k != "held"}
+    assert cl.ControllerState.from_dict(record).held.tolist() == [1, 1, 1]
+    assert np.array_equal(np.stack(cl.ControllerState.from_dict(s.to_dict())), np.stack(s))
+
+
 def _reference(table, tails, tokens, cfg):
     """The rule as docs/design.md, section 9 states it, one bin at a time in plain Python."""
     t0 = list(table)
@@ -103,7 +126,7 @@ def _reference(table, tails, tokens, cfg):
             return next((r for r in reversed(rungs) if r < b), b)
         return max(0, min(b - 1, math.floor(b / cfg.growth)))
 
-    table, streak, out = list(t0), [0] * len(t0), []
+    table, streak, held, out = list(t0), [0] * len(t0), [False] * len(t0), []
     for tail, count in zip(tails, tokens):
         new, lowered = [], []
         for i, b in enumerate(table):
@@ -121,9 +144,15 @@ def _reference(table, tails, tokens, cfg):
                 streak[i] = 0
                 new.append(b)
                 lowered.append(False)
+        new = [min(max(b, lo[i]), hi[i]) for i, b in enumerate(new)]
+        held = [h or c > 0 for h, c in zip(held, count)]
+        for i in range(len(new)):
+            later = [new[j] for j in range(i + 1, len(new)) if held[j]]
+            if not held[i] and later:
+                new[i] = min(new[i], min(later))
         best = -1
         for i in range(len(new)):
-            best = max(best, min(max(new[i], lo[i]), hi[i]))
+            best = max(best, new[i])
             if best != table[i] or lowered[i]:
                 streak[i] = 0
             new[i] = best
@@ -148,6 +177,7 @@ def test_random_statistics_follow_the_reference_within_bounds(seed):
     tails = np.where(rng.random((steps, bins)) < 0.5, rng.uniform(0.75, 1.0, (steps, bins)),
                      tails)
     tokens = rng.choice([0, cfg.min_count - 1, cfg.min_count, 500], (steps, bins))
+    tokens[:, :int(rng.integers(0, bins))] = 0     # bins the responses never reach
     state = cl.init_state(table, cfg)
     changed = 0
     for (want_table, want_streak), tail, count in zip(_reference(table, tails, tokens, cfg),

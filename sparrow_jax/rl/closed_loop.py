@@ -11,10 +11,11 @@ bin of the budget table):
   tokens moves one rung up the budget ladder at once when it is below ``target``, and one rung
   down only after ``patience`` consecutive steps at or above ``target + margin``; a bin with
   too few tokens is left alone and its streak starts again (a lowering needs unbroken
-  evidence). Then every bin is clipped to its bounds and the table made non-decreasing by a
-  running maximum (raising a later bin is always safe; lowering one below an earlier bin is not
-  done). A bin whose budget changed, by its own rule or the running maximum, starts its streak
-  again: its statistic was measured at the old budget.
+  evidence). Then every bin is clipped to its bounds, a bin no response token has reached yet
+  is brought down to the smallest budget of the later bins that have held tokens, and the table
+  is made non-decreasing by a running maximum (raising a later bin is always safe; lowering one
+  below an earlier bin is not done). A bin whose budget changed, by its own rule or the running
+  maximum, starts its streak again: its statistic was measured at the old budget.
 - :func:`changes` and :func:`loop_metrics`: what a step changed, as metric names and numbers.
 - :func:`observe`: all of it for one training step, as the trainer calls it; :func:`bound`:
   the schedule of the upper bounds, which the rollout engine takes as ``schedule_bound`` so that
@@ -42,12 +43,14 @@ from sparrow_jax.mismatch import tail_statistic
 class ControllerState(NamedTuple):
     """The controller's whole state; ``[num_bins]`` int64 each. ``table``: top-k pages per bin
     (the 3 reserved pages excluded, as in :class:`~sparrow_jax.schedule.BudgetSchedule`);
-    ``streak``: consecutive comfortable steps; ``lower``/``upper``: the bounds."""
+    ``streak``: consecutive comfortable steps; ``lower``/``upper``: the bounds; ``held``: 1
+    where a step has had response tokens in the bin (ever), else 0."""
 
     table: np.ndarray
     streak: np.ndarray
     lower: np.ndarray
     upper: np.ndarray
+    held: np.ndarray
 
     def to_dict(self) -> dict[str, list[int]]:
         """JSON-ready (the checkpoint record)."""
@@ -55,6 +58,9 @@ class ControllerState(NamedTuple):
 
     @classmethod
     def from_dict(cls, data: dict[str, list[int]]) -> "ControllerState":
+        """The record's state; one written before ``held`` existed counts every bin as held
+        (the rule it ran under)."""
+        data = {"held": [1] * len(data["table"]), **data}
         return cls(**{k: np.asarray(data[k], np.int64) for k in cls._fields})
 
 
@@ -73,7 +79,7 @@ def init_state(table, config) -> ControllerState:
             raise ValueError(f"closed loop: the starting table reaches {int(t.max())} pages, "
                              f"above closed_loop.max_pages={config.max_pages}")
         upper = np.minimum(upper, config.max_pages)
-    return ControllerState(t, np.zeros_like(t), lower, upper)
+    return ControllerState(t, np.zeros_like(t), lower, upper, np.zeros_like(t))
 
 
 def bin_tail(alpha, positions, mask, bin_tokens: int, num_bins: int, quantile: float):
@@ -120,9 +126,19 @@ def advance(state: ControllerState, tail, tokens, config) -> ControllerState:
     lower = comfortable & (streak >= config.patience)
     table = np.where(low, rung_up(state.table, config),
                      np.where(lower, rung_down(state.table, config), state.table))
-    table = np.maximum.accumulate(np.clip(table, state.lower, state.upper))
+    table = np.clip(table, state.lower, state.upper)
+    # A bin no response has reached (the prompts' span, say) has no statistic, and through the
+    # running maximum its starting budget would floor every later bin: it takes at most the
+    # smallest budget of the later bins that have held tokens. Its bounds still hold: both are
+    # non-decreasing, so a later bin's budget is at least this bin's lower bound.
+    held = (state.held > 0) | (np.asarray(tokens) > 0)
+    big = np.iinfo(np.int64).max
+    later = np.minimum.accumulate(np.where(held, table, big)[::-1])[::-1]
+    later = np.append(later[1:], big)           # over the bins after each one
+    table = np.maximum.accumulate(np.where(held, table, np.minimum(table, later)))
     streak = np.where((table != state.table) | lower, 0, streak)
-    return state._replace(table=table.astype(np.int64), streak=streak.astype(np.int64))
+    return state._replace(table=table.astype(np.int64), streak=streak.astype(np.int64),
+                          held=held.astype(np.int64))
 
 
 def changes(before: ControllerState, after: ControllerState, tail, tokens) -> list[dict]:
@@ -159,7 +175,7 @@ def agree(state: ControllerState) -> ControllerState:
         return state
     from sparrow_jax import distributed
 
-    rows = distributed.allgather_rows(np.stack(state)[None])   # [processes, 4, num_bins]
+    rows = distributed.allgather_rows(np.stack(state)[None])   # [processes, 5, num_bins]
     return ControllerState(*(np.asarray(x, np.int64) for x in rows[0]))
 
 
