@@ -334,11 +334,11 @@ def model_params(model, mesh: Mesh | None = None) -> tuple[nnx.GraphDef, nnx.Sta
     targets = tuple(NamedSharding(mesh, spec) for spec in jax.tree.leaves(
         rollout_specs(params, mesh.shape[HEADS]), is_leaf=lambda x: isinstance(x, PartitionSpec)))
     devices = set(mesh.devices.flat)
-    if all(x.sharding.is_equivalent_to(t, x.ndim)
+    if all(isinstance(x, jax.Array) and x.sharding.is_equivalent_to(t, x.ndim)
            and (x.dtype == dtype or not jnp.issubdtype(x.dtype, jnp.floating))
            for x, t in zip(leaves, targets)):
         return graphdef, params             # already the copy: a jitted identity would copy
-    if any(x.sharding.device_set != devices for x in leaves):
+    if any(not isinstance(x, jax.Array) or x.sharding.device_set != devices for x in leaves):
         # Cast where they lie, then put there: never a whole float32 copy on every device.
         cast = to_compute_dtype(dtype)
         return graphdef, treedef.unflatten(
