@@ -52,6 +52,7 @@ from sparrow_jax.benchmarking import (chained, contiguous_attention, median_seco
                                      profile_calls, read_ceiling)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_pallas_jax
 from sparrow_jax.attention.sparse import sparse_decode
+from sparrow_jax.decode_bench import DecodeShape, random_case
 
 HQ, HKV, D, P = 32, 8, 128, 16
 
@@ -60,19 +61,7 @@ def decode_inputs(b: int, ctx: int, order: np.ndarray):
     """One benchmark case, every sequence at the full context ``ctx``: (q ``[b, HQ, D]``, K and
     V pages ``[HKV, b * ctx / P, P, D]``, centroids ``[HKV, b * ctx / P, D]``, page table
     ``[b, ctx / P]``: ``order``, the pool's pages in the rows' order, lengths ``[b]``)."""
-    m = ctx // P
-    n_total = b * m
-    kk, kv, kq, kt = jax.random.split(jax.random.key(ctx * 131 + b), 4)
-    k_pages = jax.random.normal(kk, (HKV, n_total, P, D), jnp.bfloat16)
-    # Page "topics" so that selection is far from uniform, as in real keys.
-    k_pages = (k_pages + 2 * jax.random.normal(kt, (HKV, n_total, 1, D), jnp.bfloat16))
-    v_pages = jax.random.normal(kv, (HKV, n_total, P, D), jnp.bfloat16)
-    # One KV head at a time: a float32 copy of the whole cache may not fit.
-    centroids = jnp.stack([jnp.mean(k_pages[i].astype(jnp.float32), axis=1)
-                           for i in range(HKV)]).astype(jnp.bfloat16)
-    table = jnp.asarray(order.reshape(b, m).astype(np.int32))
-    return (jax.random.normal(kq, (b, HQ, D), jnp.bfloat16), k_pages, v_pages, centroids,
-            table, jnp.full((b,), ctx, jnp.int32))
+    return random_case(DecodeShape(HQ, HKV, D, P), b, ctx, seed=ctx * 131 + b, order=order)
 
 
 def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, interpret=False):

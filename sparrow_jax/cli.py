@@ -3,8 +3,7 @@
 Each subcommand lives in its own module, registered in :data:`SUBCOMMANDS` as
 ``name -> (one-line help, module)``. The module defines ``add_arguments(parser)`` and
 ``run(args) -> int`` (the exit status) and keeps heavy imports (jax) inside ``run`` so that
-``sparrow --help`` stays fast. Only working subcommands are registered; ``bench`` is planned
-(the help's epilog says so).
+``sparrow --help`` stays fast.
 
 Every subcommand takes ``--config FILE.yaml``: its keys are the subcommand's long options
 (``max_new_tokens: 64``); options given on the command line override the file. A module that
@@ -28,8 +27,9 @@ SUBCOMMANDS: dict[str, tuple[str, str | None]] = {
     "plot": ("PNG curves of a training run's metrics", "sparrow_jax.commands.plot"),
     "calibrate": ("a budget schedule measured for a model and prompts (measure, search, "
                   "validate)", "sparrow_jax.commands.calibrate"),
+    "bench": ("the sparse decode step and the rollout, each against dense, on this machine",
+              "sparrow_jax.commands.bench"),
 }
-PLANNED = "not built yet: `bench` (for now scripts/bench_*.py)"
 
 
 class CliError(ValueError):
@@ -46,8 +46,7 @@ def _add_config_option(parser: argparse.ArgumentParser, help_text: str | None) -
 def build_parser() -> tuple[argparse.ArgumentParser, dict[str, argparse.ArgumentParser]]:
     """The top-level parser and each subcommand's parser, by name."""
     parser = argparse.ArgumentParser(
-        prog="sparrow", description="sparrow-jax: long-context RL of LLMs with sparse rollouts",
-        epilog=PLANNED)
+        prog="sparrow", description="sparrow-jax: long-context RL of LLMs with sparse rollouts")
     subparsers = parser.add_subparsers(dest="command", metavar="COMMAND", required=True)
     subs = {}
     for name, (help_text, module) in SUBCOMMANDS.items():

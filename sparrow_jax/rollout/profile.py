@@ -187,4 +187,32 @@ def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context
         step_seconds=tuple(times), first_chunk_seconds=first)
 
 
-__all__ = ["ContextTiming", "fixed_context_batch", "at_context", "time_context"]
+def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
+                    prompt_len: int = 32, repeats: int = 2, steps_per_call: int = 16,
+                    seed: int = 0) -> list[dict]:
+    """Decode tokens/s of ``rows`` rows at each of ``contexts`` (ascending), with ``schedule``
+    and densely, each mode on a batch of its own (one pool at a time) -> per context:
+    ``sparse_step_s``, ``dense_step_s`` (medians of the timed chunks), tokens/s of each
+    (rows / step) and ``x_dense`` (dense step over sparse step). Training-style sampling
+    (temperature 1, no EOS), the engine's defaults otherwise."""
+    contexts = sorted(int(c) for c in contexts)
+    span = steps_per_call * (repeats + 1)
+    config = RolloutConfig(n=1, max_new_tokens=contexts[-1] + span - prompt_len + 1,
+                           temperature=1.0, eos_ids=(), steps_per_call=steps_per_call)
+    steps = {}
+    for mode, sched in (("sparse", schedule), ("dense", None)):
+        batch, graphdef, params, state = fixed_context_batch(
+            model, config, rows=rows, prompt_len=prompt_len, key=jax.random.key(seed),
+            schedule=sched)
+        for ctx in contexts:
+            state, timing = time_context(batch, graphdef, params, state, ctx, repeats=repeats)
+            steps[mode, ctx] = float(np.median(timing.step_seconds))
+        del batch, params, state
+    return [dict(context=c, rows=rows, sparse_step_s=steps["sparse", c],
+                 dense_step_s=steps["dense", c], sparse_tokens_per_s=rows / steps["sparse", c],
+                 dense_tokens_per_s=rows / steps["dense", c],
+                 x_dense=steps["dense", c] / steps["sparse", c]) for c in contexts]
+
+
+__all__ = ["ContextTiming", "fixed_context_batch", "at_context", "time_context",
+           "sparse_vs_dense"]

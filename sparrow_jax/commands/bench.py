@@ -1,0 +1,155 @@
+"""``sparrow bench``: the two speed figures a user checks on a new machine, each against its
+baseline measured in the same run.
+
+- ``decode``: one layer's sparse decode step (``sparse_decode``, ``--impl``) against dense paged
+  attention (the engine's dense decode), at ``--batches`` rows of ``--context`` tokens with a
+  budget of ``--budget-tokens``: time per call, the ratio, the sparse output's error against
+  the reference, and each one's share of the read ceiling measured first
+  (:mod:`sparrow_jax.decode_bench`).
+- ``rollout``: the rollout engine's decode loop, sparse (``--schedule``, default the paper's
+  for the preset) against dense, at ``--contexts`` with ``--rows`` rows of a randomly
+  initialised ``--preset`` (or the weights of ``--model``): tokens/s and the ratio
+  (:func:`sparrow_jax.rollout.profile.sparse_vs_dense`).
+
+Every option is checked before anything is timed.
+
+The developer benchmarks with every variant, breakdown and trace are ``scripts/bench_*.py``.
+"""
+
+from __future__ import annotations
+
+import argparse
+
+WHAT = ("decode", "rollout")
+
+
+def add_arguments(p: argparse.ArgumentParser) -> None:
+    from sparrow_jax.cli import positive_int
+
+    p.add_argument("--what", nargs="+", choices=WHAT, default=list(WHAT),
+                   help="which measures (default both)")
+    p.add_argument("--batches", type=positive_int, nargs="+", default=[1, 8, 32],
+                   help="decode: rows per call")
+    p.add_argument("--context", type=positive_int, default=32768,
+                   help="decode: tokens in every row's cache (whole pages)")
+    p.add_argument("--budget-tokens", type=positive_int, default=2048,
+                   help="decode: the sparse step's budget, reserved pages included")
+    p.add_argument("--q-heads", type=positive_int, default=32)
+    p.add_argument("--kv-heads", type=positive_int, default=8)
+    p.add_argument("--head-dim", type=positive_int, default=128)
+    p.add_argument("--page-size", type=positive_int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float16", "float32"),
+                   help="decode: the cache's dtype")
+    p.add_argument("--impl", default="auto", choices=("auto", "pallas", "reference", "triton"),
+                   help="decode: the sparse step's implementation")
+    p.add_argument("--chain", type=positive_int, default=20,
+                   help="decode: calls chained in one timed loop")
+    p.add_argument("--repeats", type=positive_int, default=9,
+                   help="timed runs (decode) or chunks (rollout), the median reported")
+    p.add_argument("--preset", default="qwen3-1.7b",
+                   help="rollout: randomly initialised model from configs/models")
+    p.add_argument("--model", help="rollout: an HF model folder instead of --preset")
+    p.add_argument("--schedule",
+                   help="rollout: the sparse schedule: a page count, a paper schedule name or "
+                        "a schedule YAML file (default: the paper's for --preset)")
+    p.add_argument("--contexts", type=positive_int, nargs="+", default=[2048, 8192, 32768],
+                   help="rollout: contexts timed")
+    p.add_argument("--rows", type=positive_int, default=16, help="rollout: decode rows")
+    p.add_argument("--steps-per-call", type=positive_int, default=16,
+                   help="rollout: decode steps a timed chunk")
+    p.add_argument("--out", help="JSON file of every figure")
+
+
+def _schedule(args):
+    from sparrow_jax.schedule import BudgetSchedule
+
+    if args.schedule is None and args.model is not None:
+        raise ValueError("--model needs --schedule (a page count, a paper schedule name or a "
+                         "schedule YAML file)")
+    return BudgetSchedule.from_spec(args.schedule or args.preset, page_size=args.page_size)
+
+
+def _shape(args):
+    from sparrow_jax.decode_bench import DecodeShape
+
+    shape = DecodeShape(q_heads=args.q_heads, kv_heads=args.kv_heads, head_dim=args.head_dim,
+                        page_size=args.page_size, dtype=args.dtype)
+    shape.check(args.context, args.budget_tokens)
+    return shape
+
+
+def _decode(args, shape, ceiling: float) -> list[dict]:
+    from sparrow_jax.decode_bench import measure
+
+    rows = []
+    print(f"decode: context {args.context}, budget {args.budget_tokens} tokens, GQA "
+          f"{args.q_heads}/{args.kv_heads}, head_dim {args.head_dim}, page {args.page_size}, "
+          f"{args.dtype}, impl {args.impl}")
+    print(f"{'batch':>6} {'sparse ms':>10} {'dense ms':>9} {'x dense':>8} {'sparse %':>9} "
+          f"{'dense %':>8} {'rel err':>8}")
+    for b in args.batches:
+        r = measure(shape, b, args.context, args.budget_tokens, impl=args.impl,
+                    chain=args.chain, repeats=args.repeats, ceiling_gbs=ceiling)
+        print(f"{b:>6} {r['sparse_s'] * 1e3:>10.4f} {r['dense_s'] * 1e3:>9.4f} "
+              f"{r['x_dense']:>7.2f}x {r['sparse_of_ceiling']:>8.0%} "
+              f"{r['dense_of_ceiling']:>7.0%} {r['rel_err']:>8.1e}", flush=True)
+        rows.append(r)
+    return rows
+
+
+def _rollout(args, schedule) -> list[dict]:
+    import jax
+    import jax.numpy as jnp
+
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.hf_io import load_qwen3
+    from sparrow_jax.models.qwen3 import init_model
+    from sparrow_jax.rollout.profile import sparse_vs_dense
+
+    dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    if args.model is not None:
+        model, _ = load_qwen3(args.model, dtype=dtype)
+    else:
+        model = init_model(ModelConfig.preset(args.preset), dtype=dtype)
+    print(f"rollout: {args.model or args.preset}, {args.rows} rows, schedule "
+          f"{args.schedule or args.preset}, contexts {args.contexts}")
+    print(f"{'context':>8} {'sparse tok/s':>13} {'dense tok/s':>12} {'x dense':>8}")
+    rows = sparse_vs_dense(model, schedule, args.contexts, rows=args.rows,
+                           repeats=args.repeats, steps_per_call=args.steps_per_call)
+    for r in rows:
+        print(f"{r['context']:>8} {r['sparse_tokens_per_s']:>13.0f} "
+              f"{r['dense_tokens_per_s']:>12.0f} {r['x_dense']:>7.2f}x", flush=True)
+    return rows
+
+
+def run(args: argparse.Namespace) -> int:
+    import jax
+
+    from sparrow_jax.benchmarking import read_ceiling, write_record
+
+    from pathlib import Path
+
+    from sparrow_jax.config import ModelConfig
+
+    # Every option checked before the first timing.
+    shape = _shape(args) if "decode" in args.what else None
+    schedule = None
+    if "rollout" in args.what:
+        if args.model is not None and not Path(args.model).is_dir():
+            raise ValueError(f"--model {args.model}: no such folder")
+        if args.model is None:
+            ModelConfig.preset(args.preset)
+        schedule = _schedule(args)
+    print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
+    out = {}
+    if shape is not None:
+        ceiling = read_ceiling(small=jax.default_backend() == "cpu")
+        print(f"read ceiling {ceiling:.0f} GB/s")
+        out.update(read_ceiling_gbs=ceiling, decode=_decode(args, shape, ceiling))
+    if schedule is not None:
+        out["rollout"] = _rollout(args, schedule)
+    write_record(args.out, options={k: str(v) if isinstance(v, Path) else v
+                                    for k, v in vars(args).items()}, **out)
+    if args.out:
+        print(f"wrote {args.out}")
+    return 0

@@ -1,0 +1,83 @@
+"""``sparrow bench`` (sparrow_jax/commands/bench.py, sparrow_jax/decode_bench.py) at tiny shapes on
+the CPU: the figures it writes agree with each other and with the bytes worked out by hand, the
+sparse step it times matches the reference, and bad options fail in one line before anything is
+timed."""
+
+import json
+
+import numpy as np
+import pytest
+
+from sparrow_jax.cli import main
+
+TINY_DECODE = ["--what", "decode", "--batches", "1", "2", "--context", "256", "--budget-tokens",
+               "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--chain", "2",
+               "--repeats", "1", "--dtype", "float32"]
+
+
+def test_decode_figures_and_bytes_by_hand(tmp_path, capsys):
+    out = tmp_path / "decode.json"
+    assert main(["bench", *TINY_DECODE, "--out", str(out)]) == 0
+    printed = capsys.readouterr().out
+    record = json.loads(out.read_text())
+    ceiling = record["read_ceiling_gbs"]
+    assert ceiling > 0 and f"read ceiling {ceiling:.0f} GB/s" in printed
+    rows = record["decode"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    for r in rows:
+        b = r["batch"]
+        # 16 pages of 16 tokens, a budget of 4: centroids of the 13 scored pages and 4 pages'
+        # K and V, 16 float32 each, per (row, KV head)
+        assert r["sparse_bytes"] == b * 2 * (13 * 16 + 4 * 16 * 16 * 2) * 4
+        assert r["dense_bytes"] == 2 * b * 256 * 2 * 16 * 4
+        assert r["x_dense"] == pytest.approx(r["dense_s"] / r["sparse_s"])
+        assert r["sparse_of_ceiling"] == pytest.approx(
+            r["sparse_bytes"] / r["sparse_s"] / 1e9 / ceiling)
+        assert r["rel_err"] < 1e-6
+    assert record["options"]["budget_tokens"] == 64
+
+
+def test_the_pallas_step_it_times_matches_the_reference():
+    from sparrow_jax.decode_bench import DecodeShape, measure
+
+    shape = DecodeShape(q_heads=4, kv_heads=2, head_dim=16, dtype="float32")
+    row = measure(shape, 2, 256, 64, impl="pallas", chain=1, repeats=1)
+    assert row["rel_err"] < 1e-5 and row["sparse_s"] > 0
+
+
+def test_rollout_figures(tmp_path):
+    out = tmp_path / "rollout.json"
+    assert main(["bench", "--what", "rollout", "--preset", "tiny", "--schedule", "4",
+                 "--contexts", "128", "64", "--rows", "2", "--steps-per-call", "4",
+                 "--repeats", "1", "--out", str(out)]) == 0
+    rows = json.loads(out.read_text())["rollout"]
+    assert [r["context"] for r in rows] == [64, 128]
+    for r in rows:
+        assert r["sparse_tokens_per_s"] == pytest.approx(2 / r["sparse_step_s"])
+        assert r["x_dense"] == pytest.approx(r["dense_step_s"] / r["sparse_step_s"])
+        assert np.isfinite(r["dense_tokens_per_s"])
+
+
+def test_options_from_a_config_file(tmp_path, capsys):
+    config = tmp_path / "bench.yaml"
+    config.write_text("what: [decode]\nbatches: [2]\ncontext: 256\nbudget_tokens: 48\n"
+                      "q_heads: 4\nkv_heads: 2\nhead_dim: 16\nchain: 1\nrepeats: 1\n")
+    assert main(["bench", "--config", str(config), "--budget-tokens", "64"]) == 0
+    assert "budget 64 tokens" in capsys.readouterr().out      # the command line wins
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--budget-tokens", "40"], "budget_tokens=40 must be a multiple of the page size 16"),
+    (["--budget-tokens", "256"], "at least 3 pages and below context=256"),
+    (["--context", "250"], "context=250 must be a positive multiple of the page size 16"),
+    (["--q-heads", "3"], "q_heads=3 must be a multiple of kv_heads=2"),
+    (["--what", "rollout", "--preset", "nope"], "unknown model preset 'nope'"),
+    (["--what", "rollout", "--model", "."], "--model needs --schedule"),
+    (["--what", "rollout", "--preset", "tiny", "--schedule", "x.yaml"],
+     "schedule 'x.yaml' is neither a page count"),
+])
+def test_bad_options_fail_in_one_line_before_timing(args, message, capsys):
+    assert main(["bench", *TINY_DECODE, *args]) == 2
+    out, err = capsys.readouterr()
+    assert err.count("\n") == 1 and err.startswith("sparrow bench: error: ") and message in err
+    assert "read ceiling" not in out
