@@ -4,11 +4,17 @@ sparse step it times matches the reference, and bad options fail in one line bef
 timed."""
 
 import json
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import numpy as np
 import pytest
 
 from sparrow_jax.cli import main
+
+REPO = Path(__file__).resolve().parents[1]
 
 TINY_DECODE = ["--what", "decode", "--batches", "1", "2", "--context", "256", "--budget-tokens",
                "64", "--q-heads", "4", "--kv-heads", "2", "--head-dim", "16", "--chain", "2",
@@ -58,6 +64,21 @@ def test_rollout_figures(tmp_path):
         assert np.isfinite(r["dense_tokens_per_s"])
 
 
+def test_rollout_on_a_tensor_mesh(tmp_path):
+    """The same measure on two simulated CPU devices with the weights split over tensor."""
+    out = tmp_path / "mesh.json"
+    env = dict(os.environ, JAX_PLATFORMS="cpu",
+               XLA_FLAGS="--xla_force_host_platform_device_count=2")
+    proc = subprocess.run(
+        [sys.executable, "-m", "sparrow_jax.cli", "bench", "--what", "rollout", "--preset",
+         "tiny", "--schedule", "4", "--contexts", "64", "--rows", "2", "--steps-per-call", "4",
+         "--repeats", "1", "--mesh", "1,1,2", "--out", str(out)],
+        env=env, cwd=REPO, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "{'data': 1, 'fsdp': 1, 'tensor': 2}" in proc.stdout
+    assert json.loads(out.read_text())["rollout"][0]["x_dense"] > 0
+
+
 def test_options_from_a_config_file(tmp_path, capsys):
     config = tmp_path / "bench.yaml"
     config.write_text("what: [decode]\nbatches: [2]\ncontext: 256\nbudget_tokens: 48\n"
@@ -72,9 +93,14 @@ def test_options_from_a_config_file(tmp_path, capsys):
     (["--context", "250"], "context=250 must be a positive multiple of the page size 16"),
     (["--q-heads", "3"], "q_heads=3 must be a multiple of kv_heads=2"),
     (["--what", "rollout", "--preset", "nope"], "unknown model preset 'nope'"),
-    (["--what", "rollout", "--model", "."], "--model needs --schedule"),
+    (["--what", "rollout", "--model", str(REPO / "checkpoints" / "demo")],
+     "--model needs --schedule"),
     (["--what", "rollout", "--preset", "tiny", "--schedule", "x.yaml"],
      "schedule 'x.yaml' is neither a page count"),
+    (["--what", "rollout", "--preset", "tiny", "--schedule", "4", "--mesh", "1,2"],
+     "--mesh '1,2': give three axis sizes"),
+    (["--what", "rollout", "--preset", "tiny", "--schedule", "4", "--mesh", "1,1,2"],
+     "mesh data=1, fsdp=1, tensor=2 needs 2 devices, found 1"),
 ])
 def test_bad_options_fail_in_one_line_before_timing(args, message, capsys):
     assert main(["bench", *TINY_DECODE, *args]) == 2

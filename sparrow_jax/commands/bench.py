@@ -57,7 +57,28 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--rows", type=positive_int, default=16, help="rollout: decode rows")
     p.add_argument("--steps-per-call", type=positive_int, default=16,
                    help="rollout: decode steps a timed chunk")
+    p.add_argument("--mesh", metavar="DATA,FSDP,TENSOR",
+                   help="rollout: decode on a mesh of every device, e.g. 1,1,2 (the weights and "
+                        "KV heads split over tensor) or 2,1,1 (rows split); -1 once for the "
+                        "rest; default one device")
     p.add_argument("--out", help="JSON file of every figure")
+
+
+def _mesh(args, model_config):
+    from sparrow_jax.rollout.engine import check_mesh
+    from sparrow_jax.sharding import MeshConfig, make_mesh
+
+    if args.mesh is None:
+        return None
+    try:
+        sizes = [int(x) for x in args.mesh.split(",")]
+    except ValueError:
+        sizes = []
+    if len(sizes) != 3:
+        raise ValueError(f"--mesh {args.mesh!r}: give three axis sizes DATA,FSDP,TENSOR")
+    mesh = make_mesh(MeshConfig(*sizes))
+    check_mesh(mesh, model_config, caller="--mesh")
+    return mesh
 
 
 def _schedule(args):
@@ -97,7 +118,7 @@ def _decode(args, shape, ceiling: float) -> list[dict]:
     return rows
 
 
-def _rollout(args, schedule) -> list[dict]:
+def _rollout(args, schedule, mesh) -> list[dict]:
     import jax
     import jax.numpy as jnp
 
@@ -112,10 +133,11 @@ def _rollout(args, schedule) -> list[dict]:
     else:
         model = init_model(ModelConfig.preset(args.preset), dtype=dtype)
     print(f"rollout: {args.model or args.preset}, {args.rows} rows, schedule "
-          f"{args.schedule or args.preset}, contexts {args.contexts}")
+          f"{args.schedule or args.preset}, contexts {args.contexts}, "
+          f"{'one device' if mesh is None else dict(mesh.shape)}")
     print(f"{'context':>8} {'sparse tok/s':>13} {'dense tok/s':>12} {'x dense':>8}")
     rows = sparse_vs_dense(model, schedule, args.contexts, rows=args.rows,
-                           repeats=args.repeats, steps_per_call=args.steps_per_call)
+                           repeats=args.repeats, steps_per_call=args.steps_per_call, mesh=mesh)
     for r in rows:
         print(f"{r['context']:>8} {r['sparse_tokens_per_s']:>13.0f} "
               f"{r['dense_tokens_per_s']:>12.0f} {r['x_dense']:>7.2f}x", flush=True)
@@ -133,13 +155,15 @@ def run(args: argparse.Namespace) -> int:
 
     # Every option checked before the first timing.
     shape = _shape(args) if "decode" in args.what else None
-    schedule = None
+    schedule = mesh = None
     if "rollout" in args.what:
         if args.model is not None and not Path(args.model).is_dir():
             raise ValueError(f"--model {args.model}: no such folder")
-        if args.model is None:
-            ModelConfig.preset(args.preset)
-        schedule = _schedule(args)
+        from sparrow_jax.models.hf_io import load_config
+
+        model_config = (ModelConfig.preset(args.preset) if args.model is None
+                        else load_config(args.model))
+        schedule, mesh = _schedule(args), _mesh(args, model_config)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
     out = {}
     if shape is not None:
@@ -147,7 +171,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"read ceiling {ceiling:.0f} GB/s")
         out.update(read_ceiling_gbs=ceiling, decode=_decode(args, shape, ceiling))
     if schedule is not None:
-        out["rollout"] = _rollout(args, schedule)
+        out["rollout"] = _rollout(args, schedule, mesh)
     write_record(args.out, options={k: str(v) if isinstance(v, Path) else v
                                     for k, v in vars(args).items()}, **out)
     if args.out:

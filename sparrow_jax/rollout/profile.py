@@ -189,9 +189,10 @@ def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context
 
 def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
                     prompt_len: int = 32, repeats: int = 2, steps_per_call: int = 16,
-                    seed: int = 0) -> list[dict]:
+                    seed: int = 0, mesh: Mesh | None = None) -> list[dict]:
     """Decode tokens/s of ``rows`` rows at each of ``contexts`` (ascending), with ``schedule``
-    and densely, each mode on a batch of its own (one pool at a time) -> per context:
+    and densely, each mode on a batch of its own (one pool at a time; ``mesh`` as in
+    ``generate``) -> per context:
     ``sparse_step_s``, ``dense_step_s`` (medians of the timed chunks), tokens/s of each
     (rows / step) and ``x_dense`` (dense step over sparse step). Training-style sampling
     (temperature 1, no EOS), the engine's defaults otherwise."""
@@ -203,7 +204,7 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
     for mode, sched in (("sparse", schedule), ("dense", None)):
         batch, graphdef, params, state = fixed_context_batch(
             model, config, rows=rows, prompt_len=prompt_len, key=jax.random.key(seed),
-            schedule=sched)
+            schedule=sched, mesh=mesh)
         for ctx in contexts:
             state, timing = time_context(batch, graphdef, params, state, ctx, repeats=repeats)
             steps[mode, ctx] = float(np.median(timing.step_seconds))
