@@ -107,6 +107,7 @@ class Shapes:
     rollout_schedule: str = "qwen3-1.7b"          # BudgetSchedule.from_spec: paper name, pages
     rollout_contexts: tuple[int, ...] = (8192, 16384, 32768)
     rollout_rows_per_gpu: int = 24                # 24 rows at 32K: 94 GB of pages a GPU
+    #                                             16 on GPUs under 120 GiB unless given
     rollout_steps: int = 64                       # decode steps per chunk (the engine's default)
     rollout_repeats: int = 3                      # timed chunks per context (median)
     rollout_meshes: tuple[str, ...] = ("one", "-1,1,1", "1,1,-1")
@@ -155,12 +156,21 @@ def add_shape_flags(ap: argparse.ArgumentParser) -> None:
             ap.add_argument(flag, type=type(f.default), default=None)
 
 
+# 24 rows a GPU at 32K ran out of memory on 80 GB H100s, on one GPU too (2026-11-27, run 7);
+# 16 rows held 61 GiB of the one GPU there.
+ROLLOUT_ROWS_SMALL_GIB, SMALL_ROWS = 120, 16
+
+
 def shapes_of(args) -> Shapes:
     s = Shapes(**(TINY if args.tiny else {}))
     for f in dataclasses.fields(Shapes):
         value = getattr(args, f.name)
         if value is not None:
             setattr(s, f.name, tuple(value) if isinstance(f.default, tuple) else value)
+    if not args.tiny and args.rollout_rows_per_gpu is None:
+        memory = gpu_memory_gib()
+        if memory is not None and memory < ROLLOUT_ROWS_SMALL_GIB:
+            s.rollout_rows_per_gpu = SMALL_ROWS
     return s
 
 

@@ -45,3 +45,16 @@ def test_small_gpus_run_each_grpo_alone(multi_gpu, memory, tmp_path, monkeypatch
 def test_large_gpus_or_the_cpu_run_share_the_stage(multi_gpu, memory, tmp_path, monkeypatch):
     stages = grpo_stages(multi_gpu, memory, tmp_path, monkeypatch)
     assert [keys for keys in stages if keys] == [["grpo:1,-1,1", "grpo:one"]]
+
+
+@pytest.mark.parametrize("memory, given, rows", [(79.6, None, 16), (139.8, None, 24),
+                                                  (None, None, 24), (79.6, 20, 20)])
+def test_rollout_rows_fit_the_gpu(multi_gpu, memory, given, rows, monkeypatch):
+    """24 rows a GPU at 32K ran out of memory on 80 GB H100s; unless the rows are given, GPUs
+    under 120 GiB get 16 (a CPU run, no nvidia-smi, keeps the default)."""
+    monkeypatch.setattr(multi_gpu, "gpu_memory_gib", lambda: memory)
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--tiny", action="store_true")
+    multi_gpu.add_shape_flags(ap)
+    argv = [] if given is None else ["--rollout-rows-per-gpu", str(given)]
+    assert multi_gpu.shapes_of(ap.parse_args(argv)).rollout_rows_per_gpu == rows
