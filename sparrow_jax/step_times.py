@@ -10,8 +10,9 @@ on one device, dense at several contexts and sparse at several (context, budget)
      "sparse": [{"context": 8192, "budget_pages": 67, "step_ms": 5.26}, ...]}
 
 ``budget_pages`` counts every page the step may read, reserved ones included (as
-``BudgetSchedule.budget_pages`` returns). The JSON that ``scripts/bench_rollout.py --phase
-profile`` writes is read too (its ``modes.dense.rows`` and ``modes.sparse.rows``).
+``BudgetSchedule.budget_pages`` returns). ``sparrow bench --what rollout --out FILE`` writes
+this format; the JSON that ``scripts/bench_rollout.py --phase profile`` writes is read too (its
+``modes.dense.rows`` and ``modes.sparse.rows``).
 
 Model: a dense step's time interpolates linearly in the context; a sparse step's is the least
 squares fit ``a + b * context + c * read`` over the sparse points, ``read = min(context,

@@ -51,17 +51,26 @@ def test_the_pallas_step_it_times_matches_the_reference():
     assert row["rel_err"] < 1e-5 and row["sparse_s"] > 0
 
 
-def test_rollout_figures(tmp_path):
+def test_rollout_figures_are_a_step_time_file(tmp_path):
+    from sparrow_jax.step_times import load_step_times
+
     out = tmp_path / "rollout.json"
     assert main(["bench", "--what", "rollout", "--preset", "tiny", "--schedule", "4",
-                 "--contexts", "128", "64", "--rows", "2", "--steps-per-call", "4",
+                 "--contexts", "128", "64", "96", "--rows", "2", "--steps-per-call", "4",
                  "--repeats", "1", "--out", str(out)]) == 0
     rows = json.loads(out.read_text())["rollout"]
-    assert [r["context"] for r in rows] == [64, 128]
+    assert [r["context"] for r in rows] == [64, 96, 128]
     for r in rows:
         assert r["sparse_tokens_per_s"] == pytest.approx(2 / r["sparse_step_s"])
         assert r["x_dense"] == pytest.approx(r["dense_step_s"] / r["sparse_step_s"])
         assert np.isfinite(r["dense_tokens_per_s"])
+        assert r["budget_pages"] == 4                        # a fixed schedule of 4 pages
+        assert abs(r["mean_context"] - r["context"]) <= 4    # one chunk of 4 steps each side
+    # calibrate's measured speedup (`step_times`) reads the same JSON
+    times = load_step_times(out)
+    assert times.batch == 2 and times.sparse_budget_pages.tolist() == [4, 4, 4]
+    np.testing.assert_allclose(times.dense_ms, [r["dense_step_s"] * 1e3 for r in rows])
+    np.testing.assert_allclose(times.sparse_context, [r["mean_context"] for r in rows])
 
 
 def test_rollout_on_a_tensor_mesh(tmp_path):

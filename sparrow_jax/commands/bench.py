@@ -9,7 +9,8 @@ baseline measured in the same run.
 - ``rollout``: the rollout engine's decode loop, sparse (``--schedule``, default the paper's
   for the preset) against dense, at ``--contexts`` with ``--rows`` rows of a randomly
   initialised ``--preset`` (or the weights of ``--model``): tokens/s and the ratio
-  (:func:`sparrow_jax.rollout.profile.sparse_vs_dense`).
+  (:func:`sparrow_jax.rollout.profile.sparse_vs_dense`). Its JSON is also a step-time file
+  (:mod:`sparrow_jax.step_times`): ``sparrow calibrate``'s ``step_times`` takes it.
 
 Every option is checked before anything is timed.
 
@@ -171,7 +172,14 @@ def run(args: argparse.Namespace) -> int:
         print(f"read ceiling {ceiling:.0f} GB/s")
         out.update(read_ceiling_gbs=ceiling, decode=_decode(args, shape, ceiling))
     if schedule is not None:
-        out["rollout"] = _rollout(args, schedule, mesh)
+        rows = out["rollout"] = _rollout(args, schedule, mesh)
+        # The same figures as a step-time file (sparrow_jax/step_times.py): calibrate's
+        # `step_times` reads this JSON for its measured speedup.
+        out.update(batch=args.rows,
+                   dense=[dict(context=r["mean_context"], step_ms=r["dense_step_s"] * 1e3)
+                          for r in rows],
+                   sparse=[dict(context=r["mean_context"], budget_pages=r["budget_pages"],
+                                step_ms=r["sparse_step_s"] * 1e3) for r in rows])
     write_record(args.out, options={k: str(v) if isinstance(v, Path) else v
                                     for k, v in vars(args).items()}, **out)
     if args.out:

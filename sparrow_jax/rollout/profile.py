@@ -194,13 +194,14 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
     and densely, each mode on a batch of its own (one pool at a time; ``mesh`` as in
     ``generate``) -> per context:
     ``sparse_step_s``, ``dense_step_s`` (medians of the timed chunks), tokens/s of each
-    (rows / step) and ``x_dense`` (dense step over sparse step). Training-style sampling
-    (temperature 1, no EOS), the engine's defaults otherwise."""
+    (rows / step), ``x_dense`` (dense step over sparse step), the timed steps' mean context
+    and the sparse step's ``budget_pages`` there (reserved pages included). Training-style
+    sampling (temperature 1, no EOS), the engine's defaults otherwise."""
     contexts = sorted(int(c) for c in contexts)
     span = steps_per_call * (repeats + 1)
     config = RolloutConfig(n=1, max_new_tokens=contexts[-1] + span - prompt_len + 1,
                            temperature=1.0, eos_ids=(), steps_per_call=steps_per_call)
-    steps = {}
+    steps, mean = {}, {}
     for mode, sched in (("sparse", schedule), ("dense", None)):
         batch, graphdef, params, state = fixed_context_batch(
             model, config, rows=rows, prompt_len=prompt_len, key=jax.random.key(seed),
@@ -208,11 +209,14 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
         for ctx in contexts:
             state, timing = time_context(batch, graphdef, params, state, ctx, repeats=repeats)
             steps[mode, ctx] = float(np.median(timing.step_seconds))
+            mean[ctx] = timing.mean_context
         del batch, params, state
-    return [dict(context=c, rows=rows, sparse_step_s=steps["sparse", c],
+    return [dict(context=c, mean_context=mean[c], rows=rows, sparse_step_s=steps["sparse", c],
                  dense_step_s=steps["dense", c], sparse_tokens_per_s=rows / steps["sparse", c],
                  dense_tokens_per_s=rows / steps["dense", c],
-                 x_dense=steps["dense", c] / steps["sparse", c]) for c in contexts]
+                 x_dense=steps["dense", c] / steps["sparse", c],
+                 budget_pages=int(schedule.budget_pages(int(mean[c]))))
+            for c in contexts]
 
 
 __all__ = ["ContextTiming", "fixed_context_batch", "at_context", "time_context",
