@@ -20,6 +20,7 @@ The developer benchmarks with every variant, breakdown and trace are ``scripts/b
 from __future__ import annotations
 
 import argparse
+from pathlib import Path
 
 WHAT = ("decode", "rollout")
 
@@ -80,6 +81,17 @@ def _mesh(args, model_config):
     mesh = make_mesh(MeshConfig(*sizes))
     check_mesh(mesh, model_config, caller="--mesh")
     return mesh
+
+
+def _model_config(args):
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.hf_io import load_config
+
+    if args.model is None:
+        return ModelConfig.preset(args.preset)
+    if not Path(args.model).is_dir():
+        raise ValueError(f"--model {args.model}: no such folder")
+    return load_config(args.model)
 
 
 def _schedule(args):
@@ -150,20 +162,11 @@ def run(args: argparse.Namespace) -> int:
 
     from sparrow_jax.benchmarking import read_ceiling, write_record
 
-    from pathlib import Path
-
-    from sparrow_jax.config import ModelConfig
-
     # Every option checked before the first timing.
     shape = _shape(args) if "decode" in args.what else None
     schedule = mesh = None
     if "rollout" in args.what:
-        if args.model is not None and not Path(args.model).is_dir():
-            raise ValueError(f"--model {args.model}: no such folder")
-        from sparrow_jax.models.hf_io import load_config
-
-        model_config = (ModelConfig.preset(args.preset) if args.model is None
-                        else load_config(args.model))
+        model_config = _model_config(args)
         schedule, mesh = _schedule(args), _mesh(args, model_config)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
     out = {}
