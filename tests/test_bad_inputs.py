@@ -125,7 +125,7 @@ CLI_CASES = [
      ["--temperature", "-1"]),
     (["generate", "--preset", "tiny", "--prompt-ids", "1", "-n", "zero"], ["-n", "'zero'"]),
     (["train", "--config", "configs/demo.yaml", "--steps", "0"], ["--steps", "got 0"]),
-    (["bench"], ["invalid choice: 'bench'"]),
+    (["bench", "--batches", "0"], ["--batches", "positive integer, got 0"]),
 ]
 
 

@@ -106,6 +106,8 @@ def test_options_from_a_config_file(tmp_path, capsys):
      "--model needs --schedule"),
     (["--what", "rollout", "--preset", "tiny", "--schedule", "x.yaml"],
      "schedule 'x.yaml' is neither a page count"),
+    (["--batches", "4096", "--context", "65536", "--budget-tokens", "2048", "--q-heads", "32",
+      "--kv-heads", "8", "--head-dim", "128"], "GiB of K and V pages"),    # 2 TiB: no machine
     (["--what", "rollout", "--preset", "tiny", "--schedule", "4", "--mesh", "1,2"],
      "--mesh '1,2': give three axis sizes"),
     (["--what", "rollout", "--preset", "tiny", "--schedule", "4", "--mesh", "1,1,2"],
