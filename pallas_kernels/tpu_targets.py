@@ -33,15 +33,22 @@ CHIPS = {
 }
 
 
-@contextlib.contextmanager
-def abstract_tpu(chip: str):
-    """Within this context, lowering targets ``chip`` (a key of :data:`CHIPS`) as one abstract
-    device, whatever the host has."""
+def tpu_mesh(chip: str, shape: tuple[int, ...] = (1,), names: tuple[str, ...] = ("x",)
+             ) -> AbstractMesh:
+    """An abstract mesh of ``chip`` devices (a key of :data:`CHIPS`): lowering under it (and
+    ``shard_map`` over it) targets that chip, whatever the host has."""
     if chip not in CHIPS:
         raise ValueError(f"unknown TPU chip {chip!r}; expected one of {sorted(CHIPS)}")
     c = CHIPS[chip]
     dev = AbstractDevice(device_kind=c.device_kind, num_cores=c.cores, platform="tpu")
-    with use_abstract_mesh(AbstractMesh((1,), ("x",), abstract_device=dev)):
+    return AbstractMesh(shape, names, abstract_device=dev)
+
+
+@contextlib.contextmanager
+def abstract_tpu(chip: str):
+    """Within this context, lowering targets ``chip`` (a key of :data:`CHIPS`) as one abstract
+    device, whatever the host has."""
+    with use_abstract_mesh(tpu_mesh(chip)):
         yield
 
 

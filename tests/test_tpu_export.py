@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import pytest
 
 from pallas_kernels.sparse_decode_tpu import PAGE_SIZES, sparse_decode_tpu_checked
-from pallas_kernels.tpu_targets import CHIPS, abstract_tpu, export_for_tpu
+from pallas_kernels.tpu_targets import CHIPS, abstract_tpu, export_for_tpu, tpu_mesh
 
 S = jax.ShapeDtypeStruct
 LAYOUTS = [(16, 8), (32, 8), (40, 8)]     # Qwen3 q heads / KV heads (1.7B-4B, 8B, 14B)
@@ -83,3 +83,44 @@ def test_engine_decode_step_lowers_with_the_tpu_kernels():
     assert_mosaic(export_for_tpu(step, *args, chip="v5p"))
     cpu_text = jax.jit(step).lower(*args).as_text()
     assert "tpu_custom_call" not in cpu_text
+
+
+def test_tensor_split_decode_step_lowers_for_tpu():
+    """The rollout's decode step with the weights and KV heads split over ``tensor`` = 2
+    (``shard_map`` over an abstract mesh of two v5p devices, the decode copy's blocks by
+    ``rollout_specs``): each shard's sparse layer holds the TPU kernels on its one KV head, and
+    the only collectives are the row-parallel sums: two a layer and the embedding's one."""
+    from flax import nnx
+    from jax.sharding import NamedSharding, PartitionSpec as P, use_abstract_mesh
+
+    from sparrow_jax.attention.allocator import PageAllocator
+    from sparrow_jax.attention.decode import decode_step
+    from sparrow_jax.attention.paged_cache import init_cache
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.models.qwen3 import init_model
+    from sparrow_jax.rollout.decode_loop import cache_specs
+    from sparrow_jax.sharding import rollout_specs
+
+    cfg = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, head_dim=128)
+    graphdef, params = nnx.split(init_model(cfg, seed=0, dtype=jnp.bfloat16))
+    alloc = PageAllocator(40, 16, seed=0).allocate([100, 60], 1, 4)
+    cache = init_cache(cfg, 40, alloc.page_table, page_size=16, dtype=jnp.bfloat16)
+    mesh = tpu_mesh("v5p", (1, 1, 2), ("data", "fsdp", "tensor"))
+    rows = P(("data", "fsdp"))
+    specs = (rollout_specs(params, 2), cache_specs(cache), rows, rows)
+    args = jax.tree.map(lambda x, spec: S(x.shape, x.dtype, sharding=NamedSharding(mesh, spec)),
+                        (params, cache, jnp.zeros(2, jnp.int32), jnp.zeros(2, jnp.int32)), specs)
+
+    def step(params, cache, tokens, budget):
+        return decode_step(nnx.merge(graphdef, params), cache, tokens, budget_pages=budget,
+                           dense_layers=(0,), impl="auto", tensor_axis="tensor")
+
+    with use_abstract_mesh(mesh):
+        exported = jax.export.export(jax.jit(jax.shard_map(
+            step, mesh=mesh, in_specs=specs, out_specs=(rows, specs[1]), check_vma=False)),
+            platforms=["tpu"])(*args)
+    assert_mosaic(exported)
+    text = exported.mlir_module()
+    assert text.count("all_reduce") == 2 * cfg.num_hidden_layers + 1
+    assert "all_gather" not in text
