@@ -101,9 +101,9 @@ def measure(shape: DecodeShape, batch: int, context: int, budget_tokens: int, *,
             ceiling_gbs: float | None = None, seed: int = 0) -> dict:
     """The sparse step (``sparse_decode(impl=impl)``) and dense paged attention
     (``paged_attention(impl="auto")``, the engine's dense decode) on one random case -> a row:
-    seconds per call of each, the sparse step's error against the reference (max abs over max
-    abs), ``x_dense`` (dense time over sparse time), the bytes each must move and, given
-    ``ceiling_gbs``, each one's share of it."""
+    seconds per call of each, the sparse step's error against the reference in float32 products
+    (max abs over max abs), ``x_dense`` (dense time over sparse time), the bytes each must move
+    and, given ``ceiling_gbs``, each one's share of it."""
     shape.check(context, budget_tokens)
     q, k_pages, v_pages, centroids, table, lengths = random_case(shape, batch, context, seed)
     pages = budget_tokens // shape.page_size
@@ -112,8 +112,9 @@ def measure(shape: DecodeShape, batch: int, context: int, budget_tokens: int, *,
                                max_budget_pages=pages)
     got = jax.jit(functools.partial(sparse, impl=impl))(q, k_pages, v_pages, table, lengths,
                                                         budgets)
-    want = jax.jit(functools.partial(sparse, impl="reference"))(q, k_pages, v_pages, table,
-                                                                lengths, budgets)
+    with jax.default_matmul_precision("highest"):     # float32 products, not TF32 on GPUs
+        want = jax.jit(functools.partial(sparse, impl="reference"))(q, k_pages, v_pages, table,
+                                                                    lengths, budgets)
     want = np.asarray(want, np.float32)
     rel_err = float(np.max(np.abs(np.asarray(got, np.float32) - want)) / np.max(np.abs(want)))
 

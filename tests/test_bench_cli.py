@@ -39,7 +39,7 @@ def test_decode_figures_and_bytes_by_hand(tmp_path, capsys):
         assert r["x_dense"] == pytest.approx(r["dense_s"] / r["sparse_s"])
         assert r["sparse_of_ceiling"] == pytest.approx(
             r["sparse_bytes"] / r["sparse_s"] / 1e9 / ceiling)
-        assert r["rel_err"] < 1e-6
+        assert r["rel_err"] < 2e-5          # the kernels' tolerance on a GPU; 0 on CPU
     assert record["options"]["budget_tokens"] == 64
 
 
@@ -48,7 +48,7 @@ def test_the_pallas_step_it_times_matches_the_reference():
 
     shape = DecodeShape(q_heads=4, kv_heads=2, head_dim=16, dtype="float32")
     row = measure(shape, 2, 256, 64, impl="pallas", chain=1, repeats=1)
-    assert row["rel_err"] < 1e-5 and row["sparse_s"] > 0
+    assert row["rel_err"] < 2e-5 and row["sparse_s"] > 0
 
 
 def test_rollout_figures_are_a_step_time_file(tmp_path):
