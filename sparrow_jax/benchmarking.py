@@ -73,6 +73,16 @@ def read_ceiling(repeats: int = 10, small: bool = False) -> float:
     return best
 
 
+def free_bytes(device=None) -> int | None:
+    """Bytes free on ``device`` (default the first) by its allocator: its limit less what is in
+    use; None where the backend does not say (CPU)."""
+    device = device or jax.devices()[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return None
+    return int(stats["bytes_limit"] - stats.get("bytes_in_use", 0))
+
+
 def peak_bytes() -> int | None:
     """The first device's peak memory in use (None where the backend does not say)."""
     dev = jax.devices()[0]

@@ -118,3 +118,25 @@ def test_bad_options_fail_in_one_line_before_timing(args, message, capsys):
     out, err = capsys.readouterr()
     assert err.count("\n") == 1 and err.startswith("sparrow bench: error: ") and message in err
     assert "read ceiling" not in out
+
+
+def test_free_memory_as_devices_report_it():
+    """``free_bytes``: the allocator's limit less what is in use; None on the CPU, which reports
+    neither, where the engine's memory-sized pool refuses in one line."""
+    from types import SimpleNamespace
+
+    from sparrow_jax.benchmarking import free_bytes
+    from sparrow_jax.config import ModelConfig
+    from sparrow_jax.rollout.engine import pages_in_free_memory
+
+    cfg = ModelConfig.preset("tiny")
+    assert free_bytes() is None
+    with pytest.raises(ValueError, match="cpu does not report its free memory"):
+        pages_in_free_memory(cfg, 16, "float32")
+    gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 10 ** 9,
+                                                              "bytes_in_use": 10 ** 8})
+    assert free_bytes(gpu) == 9 * 10 ** 8
+    # a page: K and V (2 x 16 vectors) and a centroid, per layer and KV head, float32
+    per_page = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 33 * 4
+    assert pages_in_free_memory(cfg, 16, "float32", device=gpu) == int(
+        9 * 10 ** 8 * 0.8 // per_page)

@@ -26,8 +26,7 @@ WHAT = ("decode", "rollout")
 # The decode measure's peak memory over its largest case's K and V pages: on a CPU the XLA
 # paths gather and convert the pages (24 GB resident for 4.3 GB of pages, batch 32 at 32K,
 # killed by the OOM killer); an accelerator's kernels read them in place.
-PEAK_OVER_PAGES = {"cpu": 6.0}
-PEAK_OVER_PAGES_ACCELERATOR = 2.0
+PEAK_OVER_PAGES_CPU, PEAK_OVER_PAGES_ACCELERATOR = 6.0, 2.0
 
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
@@ -118,13 +117,13 @@ def _shape(args):
 
 
 def _memory_limit() -> int | None:
-    """Bytes the first device may hold: its allocator's limit, or on a CPU the host's available
-    memory (Linux); None where neither is known."""
-    import jax
+    """Bytes free on the first device by its allocator, or where it does not say (CPU) the
+    host's available memory (Linux); None where neither is known."""
+    from sparrow_jax.benchmarking import free_bytes
 
-    stats = jax.devices()[0].memory_stats() if hasattr(jax.devices()[0], "memory_stats") else None
-    if stats and stats.get("bytes_limit"):
-        return int(stats["bytes_limit"])
+    free = free_bytes()
+    if free is not None:
+        return free
     try:
         with open("/proc/meminfo") as f:
             for line in f:
@@ -139,7 +138,8 @@ def _check_memory(args, shape) -> None:
     import jax
 
     pages = shape.dense_bytes(max(args.batches), args.context)
-    need = pages * PEAK_OVER_PAGES.get(jax.default_backend(), PEAK_OVER_PAGES_ACCELERATOR)
+    cpu = jax.default_backend() == "cpu"
+    need = pages * (PEAK_OVER_PAGES_CPU if cpu else PEAK_OVER_PAGES_ACCELERATOR)
     limit = _memory_limit()
     if limit is not None and need > limit:
         raise ValueError(f"--batches {max(args.batches)} at --context {args.context}: "

@@ -33,6 +33,7 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec
 from sparrow_jax.attention.allocator import NULL_PAGE, PageAllocator, pages_needed
 from sparrow_jax.attention.paged_cache import SCORERS, init_cache
 from sparrow_jax.attention.sparse import IMPLS
+from sparrow_jax.benchmarking import free_bytes
 from sparrow_jax.models.qwen3 import check_tokens
 from sparrow_jax.rollout.budget import runtime_schedule
 from sparrow_jax.rollout.decode_loop import (HEADS, ROWS, DecodeSettings, LoopState,
@@ -518,11 +519,10 @@ def pages_in_free_memory(model_config, page_size: int, cache_dtype, fraction: fl
     free memory holds, each device holding ``1 / kv_head_shards`` of a page's KV heads. Needs a
     backend that reports memory (GPU, TPU)."""
     device = device or jax.devices()[0]
-    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
-    if not stats or "bytes_limit" not in stats:
+    free = free_bytes(device)
+    if free is None:
         raise ValueError(f"{device.platform} does not report its free memory: give num_pages or "
                          f"max_total_tokens")
-    free = stats["bytes_limit"] - stats.get("bytes_in_use", 0)
     c = model_config
     per_page_vectors = 2 * page_size + (3 if scorer == "quest" else 1)
     heads = c.num_key_value_heads // kv_head_shards
