@@ -214,6 +214,7 @@ def _adapted_model():
 
     from sparrow_jax.models.lora import LoRAConfig, attach_lora
     from sparrow_jax.models.qwen3 import init_model
+    from sparrow_jax.sharding import path_name
 
     model = attach_lora(init_model(dataclasses.replace(CFG, vocab_size=V + 1,
                                                        attention_bias=True), seed=1),
@@ -222,7 +223,7 @@ def _adapted_model():
     leaves, treedef = jax.tree_util.tree_flatten_with_path(state)
     keys = jax.random.split(jax.random.key(6), len(leaves))
     leaves = [jax.random.normal(k, x.shape, x.dtype) * 0.1
-              if str(path[-2:]).count("bias") or str(path[-2:]).count("lora_b") else x
+              if path_name(path).endswith(("/bias", "/lora_b")) else x
               for (path, x), k in zip(leaves, keys)]
     nnx.update(model, jax.tree.unflatten(treedef, leaves))
     return model
