@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import jax
 import numpy as np
 import pytest
 
@@ -73,6 +74,15 @@ def test_rollout_figures_are_a_step_time_file(tmp_path):
     np.testing.assert_allclose(times.sparse_context, [r["mean_context"] for r in rows])
 
 
+def test_rollout_pages_of_the_schedules_size(tmp_path):
+    """The rollout's cache takes --page-size, the schedule's: no page-size mismatch midway."""
+    out = tmp_path / "p32.json"
+    assert main(["bench", "--what", "rollout", "--preset", "tiny", "--schedule", "3",
+                 "--page-size", "32", "--contexts", "128", "--rows", "2", "--steps-per-call",
+                 "4", "--repeats", "1", "--out", str(out)]) == 0
+    assert json.loads(out.read_text())["rollout"][0]["budget_pages"] == 3
+
+
 def test_rollout_on_a_tensor_mesh(tmp_path):
     """The same measure on two simulated CPU devices with the weights split over tensor."""
     out = tmp_path / "mesh.json"
@@ -108,6 +118,8 @@ def test_options_from_a_config_file(tmp_path, capsys):
      "schedule 'x.yaml' is neither a page count"),
     (["--batches", "4096", "--context", "65536", "--budget-tokens", "2048", "--q-heads", "32",
       "--kv-heads", "8", "--head-dim", "128"], "GiB of K and V pages"),    # 2 TiB: no machine
+    (["--what", "decode", "rollout", "--preset", "qwen3-14b", "--rows", "4096"],
+     "GiB a device (KV pages and weights)"),                             # 23 TiB: no machine
     (["--what", "rollout", "--preset", "tiny", "--schedule", "4", "--mesh", "1,2"],
      "--mesh '1,2': give three axis sizes"),
     (["--what", "rollout", "--preset", "tiny", "--schedule", "4", "--mesh", "1,1,2"],
@@ -130,9 +142,13 @@ def test_free_memory_as_devices_report_it():
     from sparrow_jax.rollout.engine import pages_in_free_memory
 
     cfg = ModelConfig.preset("tiny")
-    assert free_bytes() is None
+    cpu = jax.devices("cpu")[0]
+    assert free_bytes(cpu) is None
     with pytest.raises(ValueError, match="cpu does not report its free memory"):
-        pages_in_free_memory(cfg, 16, "float32")
+        pages_in_free_memory(cfg, 16, "float32", device=cpu)
+    if jax.default_backend() == "gpu":   # the real allocator: something free, within its limit
+        stats = jax.devices()[0].memory_stats()
+        assert 0 < free_bytes() <= stats["bytes_limit"]
     gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 10 ** 9,
                                                               "bytes_in_use": 10 ** 8})
     assert free_bytes(gpu) == 9 * 10 ** 8

@@ -20,6 +20,7 @@ The developer benchmarks with every variant, breakdown and trace are ``scripts/b
 from __future__ import annotations
 
 import argparse
+import os
 from pathlib import Path
 
 WHAT = ("decode", "rollout")
@@ -149,6 +150,32 @@ def _check_memory(args, shape) -> None:
                          "--batches or a shorter --context")
 
 
+def _check_rollout_memory(args, model_config, mesh) -> None:
+    """The rollout's pool (each mode's in turn) and its weights twice (the model and the copy
+    laid out for decode) on one device, against what that device has free."""
+    import jax
+
+    from sparrow_jax.memory import param_bytes_per_device
+    from sparrow_jax.rollout.engine import page_bytes
+    from sparrow_jax.rollout.profile import row_tokens
+
+    tensor = 1 if mesh is None else mesh.shape["tensor"]
+    rows = -(-args.rows // (1 if mesh is None else mesh.size // tensor))
+    tokens = row_tokens(args.contexts, steps_per_call=args.steps_per_call, repeats=args.repeats)
+    itemsize = 4 if jax.default_backend() == "cpu" else 2
+    pages = rows * -(-tokens // args.page_size) + 1
+    need = (pages * page_bytes(model_config, args.page_size, f"float{8 * itemsize}",
+                               kv_head_shards=tensor)
+            + 2 * param_bytes_per_device(model_config, dict(data=1, fsdp=1, tensor=tensor),
+                                         itemsize))
+    limit = _memory_limit()
+    if limit is not None and need > limit:
+        raise ValueError(f"--rows {args.rows} at --contexts up to {max(args.contexts)}: about "
+                         f"{need / 2 ** 30:.1f} GiB a device (KV pages and weights) on "
+                         f"{jax.default_backend()}, more than the {limit / 2 ** 30:.1f} GiB it "
+                         f"has free; give fewer --rows, shorter --contexts or a --mesh")
+
+
 def _decode(args, shape, ceiling: float) -> list[dict]:
     from sparrow_jax.decode_bench import measure
 
@@ -195,6 +222,11 @@ def _rollout(args, schedule, mesh) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
+    # A benchmark has the device to itself: JAX's GPU allocator takes 75% of the memory unless
+    # told more, short of the default rollout (16 rows at 32K of Qwen3-1.7B, about 65 GiB on an
+    # 80 GB card). Too late where this process has already started a backend; the memory
+    # checks read the allocator's actual limit either way.
+    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
     import jax
 
     from sparrow_jax.benchmarking import read_ceiling, write_record
@@ -207,6 +239,7 @@ def run(args: argparse.Namespace) -> int:
     if "rollout" in args.what:
         model_config = _model_config(args)
         schedule, mesh = _schedule(args), _mesh(args, model_config)
+        _check_rollout_memory(args, model_config, mesh)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}")
     out = {}
     if shape is not None:

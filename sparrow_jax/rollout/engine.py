@@ -523,12 +523,19 @@ def pages_in_free_memory(model_config, page_size: int, cache_dtype, fraction: fl
     if free is None:
         raise ValueError(f"{device.platform} does not report its free memory: give num_pages or "
                          f"max_total_tokens")
-    c = model_config
-    per_page_vectors = 2 * page_size + (3 if scorer == "quest" else 1)
-    heads = c.num_key_value_heads // kv_head_shards
-    per_page = (c.num_hidden_layers * heads * c.head_dim * per_page_vectors
-                * jnp.dtype(cache_dtype).itemsize)
+    per_page = page_bytes(model_config, page_size, cache_dtype, scorer=scorer,
+                          kv_head_shards=kv_head_shards)
     return int(free * fraction // per_page)
+
+
+def page_bytes(model_config, page_size: int, cache_dtype, *, scorer: str = "centroid",
+               kv_head_shards: int = 1) -> int:
+    """One device's bytes of a pool page: K, V and the page summaries (a centroid, or Quest's
+    three vectors), every layer, ``1 / kv_head_shards`` of the KV heads."""
+    c = model_config
+    vectors = 2 * page_size + (3 if scorer == "quest" else 1)
+    heads = c.num_key_value_heads // kv_head_shards
+    return c.num_hidden_layers * heads * c.head_dim * vectors * jnp.dtype(cache_dtype).itemsize
 
 
 def _round_up(x: int, multiple: int) -> int:
@@ -571,4 +578,4 @@ def _progress(config: RolloutConfig, total: int):
 
 __all__ = ["RolloutConfig", "generate", "plan_batch", "DecodeBatch", "BatchLayout", "model_params",
            "start_batch", "decode_chunk", "read_out", "prompt_caps", "prompt_width", "pool_size",
-           "pages_in_free_memory", "check_mesh"]
+           "pages_in_free_memory", "page_bytes", "check_mesh"]

@@ -187,6 +187,12 @@ def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context
         step_seconds=tuple(times), first_chunk_seconds=first)
 
 
+def row_tokens(contexts, *, steps_per_call: int, repeats: int) -> int:
+    """Tokens a row of :func:`sparse_vs_dense` holds at most: its longest context, a warm-up
+    and ``repeats`` timed chunks past it, and the token each step writes."""
+    return max(int(c) for c in contexts) + steps_per_call * (repeats + 1) + 1
+
+
 def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
                     prompt_len: int = 32, repeats: int = 2, steps_per_call: int = 16,
                     seed: int = 0, mesh: Mesh | None = None) -> list[dict]:
@@ -198,9 +204,9 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
     and the sparse step's ``budget_pages`` there (reserved pages included). Training-style
     sampling (temperature 1, no EOS), the engine's defaults otherwise."""
     contexts = sorted(int(c) for c in contexts)
-    span = steps_per_call * (repeats + 1)
-    config = RolloutConfig(n=1, max_new_tokens=contexts[-1] + span - prompt_len + 1,
-                           temperature=1.0, eos_ids=(), steps_per_call=steps_per_call)
+    tokens = row_tokens(contexts, steps_per_call=steps_per_call, repeats=repeats)
+    config = RolloutConfig(n=1, max_new_tokens=tokens - prompt_len, temperature=1.0, eos_ids=(),
+                           steps_per_call=steps_per_call, page_size=schedule.page_size)
     steps, mean = {}, {}
     for mode, sched in (("sparse", schedule), ("dense", None)):
         batch, graphdef, params, state = fixed_context_batch(
@@ -220,4 +226,4 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
 
 
 __all__ = ["ContextTiming", "fixed_context_batch", "at_context", "time_context",
-           "sparse_vs_dense"]
+           "row_tokens", "sparse_vs_dense"]
