@@ -3,10 +3,6 @@ residual add + RMSNorm) against float64 NumPy, their dispatch, and the model's d
 every decode kernel against the general forward. On CPU the kernels run in Pallas' interpreter;
 on a GPU the same tests compile them with Triton."""
 
-import json
-from pathlib import Path
-from types import SimpleNamespace
-
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -15,7 +11,6 @@ import pytest
 from flax import nnx
 
 import sparrow_jax.models.decode_kernels as decode_kernels
-from conftest import run_on_simulated_devices
 from pallas_kernels.decode_gemm_gpu import (add_norm_pallas, default_splits,
                                             gemm_partials_pallas, padded_rows)
 from sparrow_jax.attention.dense import causal_attend
@@ -131,34 +126,6 @@ def test_project_add_norm_dispatch(monkeypatch):
         project_add_norm(lin, h, residual, weight, 1e-6, impl="triton")
 
 
-def test_project_add_norm_summed_over_a_mesh_axis():
-    """A row-parallel projection (h's columns and the weight's rows split over two devices):
-    each device's kernel partials summed across the axis before the add, against float64 of
-    the whole product. Run on simulated CPU devices in a subprocess."""
-    errs = json.loads(run_on_simulated_devices(Path(__file__).resolve()).splitlines()[-1])
-    assert max(errs) < 1e-5, errs
-
-
-def _split_project_add_norm() -> list[float]:
-    rng = np.random.default_rng(3)
-    h, w = rng.normal(size=(16, 256)), rng.normal(size=(256, 64)) / 16
-    residual, weight = rng.normal(size=(3, 64)), rng.normal(size=(64,))
-    want = _numpy_add_norm(h[:3] @ w, residual, weight, 1e-6, jnp.float32)
-    mesh = jax.sharding.Mesh(np.array(jax.devices()[:2]), ("tensor",))
-    P = jax.sharding.PartitionSpec
-
-    def local(h, w, residual, weight):
-        lin = SimpleNamespace(kernel=w, dtype=jnp.float32, bias=None, lora_a=None)
-        return project_add_norm(lin, h, residual, weight, 1e-6, impl="pallas",
-                                sum_over="tensor")
-
-    got = jax.jit(jax.shard_map(local, mesh=mesh, in_specs=(P(None, "tensor"), P("tensor"),
-                                                            P(), P()),
-                                out_specs=(P(), P()), check_vma=False))(
-        *(jnp.asarray(a, jnp.float32) for a in (h, w, residual, weight)))
-    return [float(np.max(np.abs(np.asarray(g, np.float64) - x))) for g, x in zip(got, want)]
-
-
 def _lora_linear():
     lin = _linear(128, 64, seed=1)
     lin.add_lora(4, 2.0, jax.random.key(0))
@@ -230,7 +197,3 @@ def test_model_decode_form_in_bfloat16_is_as_close_to_float32_as_the_general_one
 def _adapted_linears(model):
     return [m for _, m in nnx.iter_modules(model) if isinstance(m, Linear)
             and m.lora_b is not None]
-
-
-if __name__ == "__main__":
-    print(json.dumps(_split_project_add_norm()))

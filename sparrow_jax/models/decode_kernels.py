@@ -81,18 +81,16 @@ def project_add_norm(linear: Linear, h: jax.Array, residual: jax.Array, norm_wei
     """h ``[R >= M, K]`` (rows past M ignored), residual ``[M, N]`` -> ``x = residual +
     linear(h)`` and ``rms_norm(x, norm_weight, eps)``, both ``[M, N]``: a GEMM leaving its
     split-K partial sums and one kernel summing them into both outputs where the kernels
-    apply, else XLA's ops (the same roundings). ``sum_over``: as in :class:`Linear`, the
-    products summed over a mesh axis before the add (the kernels' partials summed on the
-    device, then across the axis)."""
+    apply, else XLA's ops (the same roundings). ``sum_over``: as in :class:`Linear` (the
+    products summed over a mesh axis before the add: XLA's ops)."""
     m = residual.shape[0]
     w = linear.kernel[...]
-    if (kernels_apply(impl) and _plain(linear, lora) and w.dtype == linear.dtype
+    if (sum_over is None and kernels_apply(impl) and _plain(linear, lora)
+            and w.dtype == linear.dtype
             and _shapes_allow(impl, "project_add_norm",
                               gemm_limits(h.shape[0], *w.shape, w.dtype))):
         interpret = jax.default_backend() != "gpu"
         parts = gemm_partials_pallas(h.astype(w.dtype), w, interpret=interpret)
-        if sum_over is not None:   # one [1, R, N] float32 block crosses the axis, not S
-            parts = jax.lax.psum(parts.sum(0, keepdims=True), sum_over)
         return add_norm_pallas(parts, residual, norm_weight, eps=eps, interpret=interpret)
     x = residual + linear(h, lora=lora, sum_over=sum_over)[:m].astype(residual.dtype)
     return x, rms_norm(x, norm_weight, eps)
