@@ -83,6 +83,30 @@ def test_rollout_pages_of_the_schedules_size(tmp_path):
     assert json.loads(out.read_text())["rollout"][0]["budget_pages"] == 3
 
 
+def test_rollout_memory_by_hand(monkeypatch):
+    """The rollout's start check on one device: the pool and the float32 weights of the tiny
+    preset, worked by hand; a byte less free refuses."""
+    from types import SimpleNamespace
+
+    from sparrow_jax.commands import bench
+    from sparrow_jax.config import ModelConfig
+
+    # tiny: 4 layers, hidden 128, 4 query and 2 KV heads of 32, MLP 384, vocab 256, tied
+    layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 2 * 32 + 2 * 128 + 3 * 128 * 384
+    weights = (4 * layer + 256 * 128 + 128) * 4
+    tokens = 128 + 4 * (1 + 1) + 1     # the longest context, warm-up and 1 chunk of 4, a write
+    pages = 2 * -(-tokens // 16) + 1   # 2 rows and the null page
+    page = 4 * 2 * 32 * (2 * 16 + 1) * 4     # layers x KV heads x head_dim x (K, V, centroid)
+    args = SimpleNamespace(rows=2, contexts=[64, 128], steps_per_call=4, repeats=1,
+                           page_size=16)
+    cfg = ModelConfig.preset("tiny")
+    monkeypatch.setattr(bench, "_memory_limit", lambda: pages * page + weights)
+    bench._check_rollout_memory(args, cfg, None)
+    monkeypatch.setattr(bench, "_memory_limit", lambda: pages * page + weights - 1)
+    with pytest.raises(ValueError, match="--rows 2 at --contexts up to 128"):
+        bench._check_rollout_memory(args, cfg, None)
+
+
 def test_rollout_on_a_tensor_mesh(tmp_path):
     """The same measure on two simulated CPU devices with the weights split over tensor."""
     out = tmp_path / "mesh.json"

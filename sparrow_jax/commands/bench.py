@@ -151,8 +151,9 @@ def _check_memory(args, shape) -> None:
 
 
 def _check_rollout_memory(args, model_config, mesh) -> None:
-    """The rollout's pool (each mode's in turn) and its weights twice (the model and the copy
-    laid out for decode) on one device, against what that device has free."""
+    """The first device's share of the rollout (each mode's pool in turn; the model, created
+    there in the compute dtype; under a mesh also its share of the decode copy) against what
+    that device has free."""
     import jax
 
     from sparrow_jax.memory import param_bytes_per_device
@@ -164,10 +165,11 @@ def _check_rollout_memory(args, model_config, mesh) -> None:
     tokens = row_tokens(args.contexts, steps_per_call=args.steps_per_call, repeats=args.repeats)
     itemsize = 4 if jax.default_backend() == "cpu" else 2
     pages = rows * -(-tokens // args.page_size) + 1
+    weights = [param_bytes_per_device(model_config, dict(data=1, fsdp=1, tensor=t), itemsize)
+               for t in (1, tensor)]
     need = (pages * page_bytes(model_config, args.page_size, f"float{8 * itemsize}",
                                kv_head_shards=tensor)
-            + 2 * param_bytes_per_device(model_config, dict(data=1, fsdp=1, tensor=tensor),
-                                         itemsize))
+            + weights[0] + (0 if mesh is None else weights[1]))
     limit = _memory_limit()
     if limit is not None and need > limit:
         raise ValueError(f"--rows {args.rows} at --contexts up to {max(args.contexts)}: about "
@@ -205,10 +207,12 @@ def _rollout(args, schedule, mesh) -> list[dict]:
     from sparrow_jax.rollout.profile import sparse_vs_dense
 
     dtype = jnp.float32 if jax.default_backend() == "cpu" else jnp.bfloat16
+    # Parameters in the compute dtype (no float32 masters: nothing here trains), so that on one
+    # device the decode copy is the model's own arrays.
     if args.model is not None:
-        model, _ = load_qwen3(args.model, dtype=dtype)
+        model, _ = load_qwen3(args.model, dtype=dtype, param_dtype=dtype)
     else:
-        model = init_model(ModelConfig.preset(args.preset), dtype=dtype)
+        model = init_model(ModelConfig.preset(args.preset), dtype=dtype, param_dtype=dtype)
     print(f"rollout: {args.model or args.preset}, {args.rows} rows, schedule "
           f"{args.schedule or args.preset}, contexts {args.contexts}, "
           f"{'one device' if mesh is None else dict(mesh.shape)}")
