@@ -84,8 +84,9 @@ def test_rollout_pages_of_the_schedules_size(tmp_path):
 
 
 def test_rollout_memory_by_hand(monkeypatch):
-    """The rollout's start check on one device: the pool and the float32 weights of the tiny
-    preset, worked by hand; a byte less free refuses."""
+    """The rollout's start check on one device: the pool and the weights of the tiny preset
+    (float32 on a CPU, bfloat16 on an accelerator), worked by hand; a byte less free
+    refuses."""
     from types import SimpleNamespace
 
     from sparrow_jax.commands import bench
@@ -93,10 +94,11 @@ def test_rollout_memory_by_hand(monkeypatch):
 
     # tiny: 4 layers, hidden 128, 4 query and 2 KV heads of 32, MLP 384, vocab 256, tied
     layer = 128 * 128 + 2 * 128 * 64 + 128 * 128 + 2 * 32 + 2 * 128 + 3 * 128 * 384
-    weights = (4 * layer + 256 * 128 + 128) * 4
+    size = 4 if jax.default_backend() == "cpu" else 2
+    weights = (4 * layer + 256 * 128 + 128) * size
     tokens = 128 + 4 * (1 + 1) + 1     # the longest context, warm-up and 1 chunk of 4, a write
     pages = 2 * -(-tokens // 16) + 1   # 2 rows and the null page
-    page = 4 * 2 * 32 * (2 * 16 + 1) * 4     # layers x KV heads x head_dim x (K, V, centroid)
+    page = 4 * 2 * 32 * (2 * 16 + 1) * size  # layers x KV heads x head_dim x (K, V, centroid)
     args = SimpleNamespace(rows=2, contexts=[64, 128], steps_per_call=4, repeats=1,
                            page_size=16)
     cfg = ModelConfig.preset("tiny")
