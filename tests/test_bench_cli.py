@@ -97,7 +97,8 @@ def test_rollout_memory_by_hand(monkeypatch):
     size = 4 if jax.default_backend() == "cpu" else 2
     weights = (4 * layer + 256 * 128 + 128) * size
     tokens = 128 + 4 * (1 + 1) + 1     # the longest context, warm-up and 1 chunk of 4, a write
-    pages = 2 * -(-tokens // 16) + 1   # 2 rows and the null page
+    pages = 2 * -(-tokens // 16) + 1   # 2 rows and the null page: 19
+    pages = -(-pages // 64) * 64       # the engine rounds its pool up to 64 pages
     page = 4 * 2 * 32 * (2 * 16 + 1) * size  # layers x KV heads x head_dim x (K, V, centroid)
     args = SimpleNamespace(rows=2, contexts=[64, 128], steps_per_call=4, repeats=1,
                            page_size=16)

@@ -155,16 +155,18 @@ def _check_rollout_memory(args, model_config, mesh) -> None:
     there in the compute dtype; under a mesh also its share of the decode copy) against what
     that device has free."""
     import jax
+    import numpy as np
 
     from sparrow_jax.memory import param_bytes_per_device
-    from sparrow_jax.rollout.engine import page_bytes
-    from sparrow_jax.rollout.profile import row_tokens
+    from sparrow_jax.rollout.engine import page_bytes, pool_size
+    from sparrow_jax.rollout.profile import PROMPT_LEN, sparse_vs_dense_config
 
     tensor = 1 if mesh is None else mesh.shape["tensor"]
     rows = -(-args.rows // (1 if mesh is None else mesh.size // tensor))
-    tokens = row_tokens(args.contexts, steps_per_call=args.steps_per_call, repeats=args.repeats)
+    config = sparse_vs_dense_config(args.contexts, steps_per_call=args.steps_per_call,
+                                    repeats=args.repeats, page_size=args.page_size)
     itemsize = 4 if jax.default_backend() == "cpu" else 2
-    pages = rows * -(-tokens // args.page_size) + 1
+    pages = pool_size(config, model_config, np.full(rows, PROMPT_LEN), None)   # a group's pool
     weights = [param_bytes_per_device(model_config, dict(data=1, fsdp=1, tensor=t), itemsize)
                for t in (1, tensor)]
     need = (pages * page_bytes(model_config, args.page_size, f"float{8 * itemsize}",

@@ -187,14 +187,21 @@ def time_context(batch: DecodeBatch, graphdef, params, state: LoopState, context
         step_seconds=tuple(times), first_chunk_seconds=first)
 
 
-def row_tokens(contexts, *, steps_per_call: int, repeats: int) -> int:
-    """Tokens a row of :func:`sparse_vs_dense` holds at most: its longest context, a warm-up
-    and ``repeats`` timed chunks past it, and the token each step writes."""
-    return max(int(c) for c in contexts) + steps_per_call * (repeats + 1) + 1
+PROMPT_LEN = 32   # sparse_vs_dense's random prompts
+
+
+def sparse_vs_dense_config(contexts, *, steps_per_call: int, repeats: int, page_size: int,
+                           prompt_len: int = PROMPT_LEN) -> RolloutConfig:
+    """The rollout config :func:`sparse_vs_dense` runs: each row long enough for the longest
+    context, a warm-up and ``repeats`` timed chunks past it, and the token each step writes;
+    training-style sampling (temperature 1, no EOS)."""
+    tokens = max(int(c) for c in contexts) + steps_per_call * (repeats + 1) + 1
+    return RolloutConfig(n=1, max_new_tokens=tokens - prompt_len, temperature=1.0, eos_ids=(),
+                         steps_per_call=steps_per_call, page_size=page_size)
 
 
 def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
-                    prompt_len: int = 32, repeats: int = 2, steps_per_call: int = 16,
+                    prompt_len: int = PROMPT_LEN, repeats: int = 2, steps_per_call: int = 16,
                     seed: int = 0, mesh: Mesh | None = None) -> list[dict]:
     """Decode tokens/s of ``rows`` rows at each of ``contexts`` (ascending), with ``schedule``
     and densely, each mode on a batch of its own (one pool at a time; ``mesh`` as in
@@ -204,9 +211,8 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
     and the sparse step's ``budget_pages`` there (reserved pages included). Training-style
     sampling (temperature 1, no EOS), the engine's defaults otherwise."""
     contexts = sorted(int(c) for c in contexts)
-    tokens = row_tokens(contexts, steps_per_call=steps_per_call, repeats=repeats)
-    config = RolloutConfig(n=1, max_new_tokens=tokens - prompt_len, temperature=1.0, eos_ids=(),
-                           steps_per_call=steps_per_call, page_size=schedule.page_size)
+    config = sparse_vs_dense_config(contexts, steps_per_call=steps_per_call, repeats=repeats,
+                                    page_size=schedule.page_size, prompt_len=prompt_len)
     steps, mean = {}, {}
     for mode, sched in (("sparse", schedule), ("dense", None)):
         batch, graphdef, params, state = fixed_context_batch(
@@ -226,4 +232,4 @@ def sparse_vs_dense(model, schedule: BudgetSchedule, contexts, *, rows: int,
 
 
 __all__ = ["ContextTiming", "fixed_context_batch", "at_context", "time_context",
-           "row_tokens", "sparse_vs_dense"]
+           "sparse_vs_dense_config", "sparse_vs_dense"]
