@@ -2,10 +2,11 @@
 
 One decode step of docs/design.md, section 3 for one layer, in three kernels and a small combine:
 
-1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores ``qbar . centroid`` of the pages
-   that may be chosen (``1 .. n-3``), turned into int32 keys whose signed order is the order of
-   the scores (ineligible slots get the smallest key). Reads one key-sized vector per page of
-   the row, nothing past it (masked loads).
+1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores of the pages that may be chosen
+   (``1 .. n-3``): ``qbar . centroid``, or Quest's bound (the largest over the group's heads of
+   ``sum_d max(q_d kmax_d, q_d kmin_d)``), turned into int32 keys whose signed order is the
+   order of the scores (ineligible slots get the smallest key). Reads one key-sized vector per
+   page of the row (two for Quest), nothing past it (masked loads).
 2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
    chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
@@ -49,8 +50,9 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
                                              pow2)
-from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
-from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
+from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, order_key
+from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode_args,
+                                               checked_summaries)
 
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (docs/design.md, section 3)
 _INT_MIN = -(2 ** 31)
@@ -80,19 +82,18 @@ def check_launch_settings(tuning) -> None:
         raise ValueError(f"attend_stages must be >= 1, got {tuning.attend_stages}")
 
 
-def checked_centroids(entry: str, q, k_pages, v_pages, page_table, lengths, budget_pages, *,
-                      page_size, scorer, centroids, max_budget_pages, block_pages) -> jax.Array:
+def checked_args(entry: str, q, k_pages, v_pages, page_table, lengths, budget_pages, *,
+                 page_size, scorer, centroids, summaries, max_budget_pages, block_pages,
+                 limits=None) -> tuple:
     """The checks of a GPU kernel's entry point ``entry`` (those of ``sparse_decode`` and the
-    kernels' own limits) -> the centroids, computed from the pages when None."""
+    kernels' own ``limits``, default :func:`kernel_limits`) -> the scorer's page summaries,
+    computed from the pages when not given (``checked_summaries``)."""
     check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
                              page_size=page_size, max_budget_pages=max_budget_pages)
-    why = kernel_limits(q.shape[-1], page_size, scorer, block_pages)
+    why = (limits or kernel_limits)(q.shape[-1], page_size, scorer, block_pages)
     if why is not None:
         raise ValueError(f"{entry}: {why}")
-    if centroids is None:
-        centroids = page_centroids(k_pages)
-    check_summary("centroids", centroids, k_pages)
-    return centroids
+    return checked_summaries(k_pages, scorer, centroids, summaries)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,9 +141,23 @@ class GpuDecodeTuning:
         return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced)
 
 
-def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, chunk, group):
-    """Grid (B, Hkv, Mpad / C): q ``[Hq, D]`` (this row), centroids ``[N, D]`` (this KV head),
-    table ``[C]`` (this program's slots), length ``[1]`` -> keys ``[C]``."""
+def _quest_scores(queries: jax.Array, group: int, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
+    """queries ``[Rpad, D]`` (rows past ``group`` zero), kmin, kmax ``[C, D]`` float32 -> ``[C]``
+    the largest over the group's heads of ``sum_d max(q_d kmax_d, q_d kmin_d)``."""
+    rows = lax.broadcasted_iota(jnp.int32, queries.shape, 0)
+    best = None
+    for r in range(group):
+        qr = jnp.sum(jnp.where(rows == r, queries, jnp.float32(0)), axis=0)[None, :]
+        s = jnp.sum(jnp.maximum(qr * kmax, qr * kmin), axis=1)
+        best = s if best is None else jnp.maximum(best, s)
+    return best
+
+
+def _score_kernel(q_ref, *refs, page_size, chunk, group):
+    """Grid (B, Hkv, Mpad / C): q ``[Hq, D]`` (this row), the page summaries (centroids, or
+    Quest's kmin and kmax), each ``[N, D]`` (this KV head), table ``[C]`` (this program's
+    slots), length ``[1]`` -> keys ``[C]``."""
+    *summary_refs, table_ref, len_ref, key_ref = refs
     h, c = pl.program_id(1), pl.program_id(2)
     n = (len_ref[0] + page_size - 1) // page_size
     slot = c * chunk + lax.broadcasted_iota(jnp.int32, (chunk,), 0)
@@ -158,18 +173,21 @@ def _score_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, page_size, ch
 
     @pl.when(c * chunk < n - 2)
     def _():
-        qbar = jnp.sum(group_queries(q_ref, h, group, pow2(group)).astype(jnp.float32),
-                       axis=0) / group
+        queries = group_queries(q_ref, h, group, pow2(group)).astype(jnp.float32)
         # Masked loads: slots past the row's pages read nothing.
         phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
-        d = cent_ref.shape[1]
+        d = q_ref.shape[1]
         # Both dimensions indexed by arrays (interpret mode has no masked load of a slice).
         col = lax.broadcasted_iota(jnp.int32, (chunk, d), 1)
-        cent = plgpu.load(cent_ref.at[jnp.broadcast_to(phys[:, None], (chunk, d)), col],
-                          mask=jnp.broadcast_to(eligible[:, None], (chunk, d)),
-                          other=0).astype(jnp.float32)                     # [C, D]
-        # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-        score = jnp.sum(cent * qbar[None, :], axis=1)
+        pages = [plgpu.load(ref.at[jnp.broadcast_to(phys[:, None], (chunk, d)), col],
+                            mask=jnp.broadcast_to(eligible[:, None], (chunk, d)),
+                            other=0).astype(jnp.float32) for ref in summary_refs]   # [C, D]
+        # Elementwise products and float32 sums: exact float32 arithmetic, never TF32.
+        if len(pages) == 1:
+            qbar = jnp.sum(queries, axis=0) / group
+            score = jnp.sum(pages[0] * qbar[None, :], axis=1)
+        else:
+            score = _quest_scores(queries, group, *pages)
         key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
 
@@ -275,10 +293,10 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
 
 def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
                   block_pages: int | None = None) -> str | None:
-    """Why the kernels cannot run a case (None when they can): they score page centroids only,
-    and Triton blocks need power-of-two sides, matrix-unit tiles at least 16 wide."""
-    if scorer != "centroid":
-        return f"the kernels score page centroids only (scorer='centroid'), got {scorer!r}"
+    """Why the kernels cannot run a case (None when they can): Triton blocks need power-of-two
+    sides, matrix-unit tiles at least 16 wide. Both scorers run."""
+    if scorer not in SCORERS:
+        return f"unknown scorer {scorer!r}; expected one of {SCORERS}"
     p, d = page_size, head_dim
     if not _is_pow2(p) or not _is_pow2(d) or d < 16:
         return (f"page_size ({p}) and head_dim ({d}) must be powers of two, head_dim >= 16 "
@@ -298,6 +316,7 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
                          page_size: int = 16, scorer: str = "centroid",
                          centroids: jax.Array | None = None,
+                         summaries: tuple[jax.Array, jax.Array] | None = None,
                          max_budget_pages: int | None = None,
                          tuning: GpuDecodeTuning = GpuDecodeTuning(),
                          interpret: bool = False) -> jax.Array:
@@ -315,9 +334,11 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       budget_pages: ``[B]`` int32 pages per (sequence, KV head), the 3 reserved included
         (>= 3). Under jit, where they cannot be checked, clipped to ``[3, max_budget_pages]``.
       page_size: P, a power of two.
-      scorer: ``"centroid"`` only.
-      centroids: ``[Hkv, N, D]`` page means of the keys in the cache dtype; computed from the
-        pages when None (as the cache would store them).
+      scorer: ``"centroid"`` (qbar . page mean of keys) or ``"quest"`` (Quest's bound from
+        each page's elementwise min and max of keys).
+      centroids: ``[Hkv, N, D]`` page means of the keys in the cache dtype, for ``"centroid"``;
+        computed from the pages when None (as the cache would store them).
+      summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``"quest"``; computed when None.
       max_budget_pages: static size of the page lists; default M. Concrete budgets needing
         more pages raise.
       tuning: :class:`GpuDecodeTuning`.
@@ -329,24 +350,26 @@ def sparse_decode_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       ``[B, Hq, D]`` in q's dtype.
     """
-    centroids = checked_centroids(
+    summ = checked_args(
         "sparse_decode_pallas", q, k_pages, v_pages, page_table, lengths, budget_pages,
-        page_size=page_size, scorer=scorer, centroids=centroids,
+        page_size=page_size, scorer=scorer, centroids=centroids, summaries=summaries,
         max_budget_pages=max_budget_pages, block_pages=tuning.block_pages)
     return sparse_decode_pallas_checked(
-        q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, page_size=page_size,
+        q, k_pages, v_pages, summ, page_table, lengths, budget_pages, page_size=page_size,
         max_budget_pages=max_budget_pages, tuning=tuning, interpret=interpret)
 
 
-def sparse_decode_pallas_checked(q, k_pages, v_pages, centroids, page_table, lengths,
+def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, lengths,
                                  budget_pages, *, page_size, max_budget_pages=None,
                                  tuning=GpuDecodeTuning(), interpret=False):
     """:func:`sparse_decode_pallas` for arguments its caller has already checked (as
-    ``sparse_decode`` does) and given centroids: no checks here."""
+    ``sparse_decode`` does) and given page summaries (centroids, or the pair (kmin, kmax) for
+    Quest): no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
                             max_pages=max_pages)
-    return _sparse_decode(q, k_pages, v_pages, centroids, page_table.astype(jnp.int32),
+    return _sparse_decode(q, k_pages, v_pages, as_summaries(summaries),
+                          page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size, max_pages=max_pages, tuning=tuning,
                           interpret=interpret)
@@ -370,9 +393,10 @@ def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
                    ((0, 0), (0, 0), (0, max(16, pow2(r)) - r), (0, 0)))
 
 
-def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_size, max_pages,
+def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_size, max_pages,
                       tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
-    """Scoring and selection kernels: q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, page_table
+    """Scoring and selection kernels: q ``[B, Hq, D]``, summaries (centroids ``[Hkv, N, D]``,
+    or Quest's (kmin, kmax) of that shape), page_table
     ``[B, M]``, lengths ``[B]``, budget_pages ``[B]`` (all int32) -> (phys ``[B, Hkv, 2 * Kpad]``,
     slots ``[B, Hkv, 2 * Kpad]``, count ``[B, Hkv, 1]``) int32: the chosen pages of each
     (sequence, KV head) in page order, as physical pages and as slots of the sequence; entries
@@ -380,37 +404,41 @@ def select_page_lists(q, centroids, page_table, lengths, budget_pages, *, page_s
     ``arrivals``: a fourth output, zeros ``[B, Hkv, 1]`` written by the selection programs, the
     balanced attention's arrival counters (which would otherwise take an XLA launch of their
     own each layer; H100 at 32K: 0.9 us of device time and a launch gap)."""
-    tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=centroids.shape[0],
-                            max_pages=max_pages)
+    summaries = as_summaries(summaries)
+    tuning = tuning.resolve(page_size=page_size, batch=q.shape[0],
+                            kv_heads=summaries[0].shape[0], max_pages=max_pages)
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    keys = score_keys(q, centroids, table, lengths, page_size=page_size, tuning=tuning,
+    keys = score_keys(q, summaries, table, lengths, page_size=page_size, tuning=tuning,
                       interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret,
                             arrivals=arrivals)
 
 
-def score_keys(q, centroids, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
+def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
                interpret=False):
-    """The scoring kernel alone: q ``[B, Hq, D]``, table ``[B, Mpad]`` (padded,
-    :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
+    """The scoring kernel alone: q ``[B, Hq, D]``, summaries (as for :func:`select_page_lists`), table
+    ``[B, Mpad]`` (padded, :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32
+    (:func:`_score_kernel`)."""
+    summaries = as_summaries(summaries)
     b, hq, d = q.shape
-    hkv, n_total = centroids.shape[:2]
+    hkv, n_total = summaries[0].shape[:2]
     mpad = table.shape[1]
     chunk = tuning.score_chunk
     return pl.pallas_call(
         functools.partial(_score_kernel, page_size=page_size, chunk=chunk, group=hq // hkv),
         grid=(b, hkv, mpad // chunk),
         in_specs=[pl.BlockSpec((None, hq, d), lambda bi, hi, ci: (bi, 0, 0)),
-                  pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0)),
+                  *[pl.BlockSpec((None, n_total, d), lambda bi, hi, ci: (hi, 0, 0))] * len(
+                      summaries),
                   pl.BlockSpec((None, chunk), lambda bi, hi, ci: (bi, ci)),
                   pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
         out_specs=pl.BlockSpec((None, None, chunk), lambda bi, hi, ci: (bi, hi, ci)),
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.score_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
-    )(q, centroids, table, lengths)
+    )(q, *summaries, table, lengths)
 
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
@@ -437,10 +465,10 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
-def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
+def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
     phys, slots, count, *arrivals = select_page_lists(
-        q, centroids, page_table, lengths, budget_pages, page_size=page_size,
+        q, summaries, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, tuning=tuning, interpret=interpret, arrivals=tuning.balanced)
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret,

@@ -7,7 +7,8 @@ an explicit DMA from HBM into VMEM. Three kernels with a little XLA between them
 
 1. ``_score_kernel``, grid ``(Hkv, ceil(N / Tn))``: float32 scores ``qbar . centroid`` of every
    page of the pool against every sequence's group mean ``qbar``, one matrix-unit product per
-   tile of the pool. On TPU a gather of one 256-byte centroid per page would be one DMA per page;
+   tile of the pool (Quest: ``q+ . kmax + q- . kmin`` for each of the group's heads, the
+   positive and negative parts of q, then the largest over the heads). On TPU a gather of one 256-byte centroid per page would be one DMA per page;
    the pool read in tiles moves the same bytes when the pool is full (as the engine sizes it)
    in a handful of large copies. XLA then picks each sequence's pages out of the scores (a
    scalar gather) and turns them into int32 keys ordered like the scores.
@@ -49,8 +50,9 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
-from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, order_key, page_centroids
-from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
+from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, order_key
+from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode_args,
+                                               checked_summaries)
 
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages
 PAGE_SIZES = (16, 32, 64)
@@ -90,10 +92,10 @@ class TpuDecodeTuning:
 
 
 def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid") -> str | None:
-    """Why the TPU kernels cannot run a case (None when they can): they score page centroids
-    only, pages fill whole sublane tiles (16, 32 or 64 tokens), and head_dim fills whole lanes."""
-    if scorer != "centroid":
-        return f"the TPU kernels score page centroids only (scorer='centroid'), got {scorer!r}"
+    """Why the TPU kernels cannot run a case (None when they can): pages fill whole sublane
+    tiles (16, 32 or 64 tokens), and head_dim fills whole lanes. Both scorers run."""
+    if scorer not in SCORERS:
+        return f"unknown scorer {scorer!r}; expected one of {SCORERS}"
     if page_size not in PAGE_SIZES:
         return f"the TPU kernels take page_size in {PAGE_SIZES}, got {page_size}"
     if head_dim % LANES:
@@ -126,31 +128,49 @@ def _count(mask):
 
 # ------------------------------------------------------------------------------------- scoring
 
-def _score_kernel(qbar_ref, cent_ref, out_ref):
-    """qbar ``[Bp, D]`` f32 (all sequences' group means for this KV head), centroids
-    ``[Tn, D]`` (one tile of the pool) -> scores ``[Bp, Tn]`` f32."""
-    cent = cent_ref[...].astype(jnp.float32)
-    out_ref[...] = lax.dot_general(qbar_ref[...], cent, (((1,), (1,)), ((), ())),
-                                   precision=lax.Precision.HIGHEST,
-                                   preferred_element_type=jnp.float32)
+def _dot_t(a, b):
+    """a ``[X, D]`` @ b ``[Y, D]``^T in float32 (HIGHEST: no bf16 rounding of the inputs)."""
+    return lax.dot_general(a, b, (((1,), (1,)), ((), ())), precision=lax.Precision.HIGHEST,
+                           preferred_element_type=jnp.float32)
 
 
-def score_pool(qbar, centroids, *, score_tile=512, interpret=False):
-    """qbar ``[Hkv, Bp, D]`` f32 (Bp a multiple of 8), centroids ``[Hkv, N, D]`` -> scores
-    ``[Hkv, Bp, N]`` f32 of every pool page against every sequence."""
-    hkv, bp, d = qbar.shape
-    n_total = centroids.shape[1]
+def _score_kernel(q_ref, *refs):
+    """q ``[R, Bp, D]`` f32, the page summaries of one tile of the pool, each ``[Tn, D]`` ->
+    scores ``[Bp, Tn]`` f32. Centroids: R = 1, q the sequences' group means. Quest (kmin,
+    kmax): R query heads, the bound's largest over them."""
+    *summary_refs, out_ref = refs
+    pages = [ref[...].astype(jnp.float32) for ref in summary_refs]
+    if len(pages) == 1:
+        out_ref[...] = _dot_t(q_ref[0], pages[0])
+        return
+    kmin, kmax = pages
+    best = None
+    for r in range(q_ref.shape[0]):
+        # max(q kmax, q kmin) is q kmax where q > 0 and q kmin where q < 0 (kmax >= kmin).
+        qr = q_ref[r]
+        s = _dot_t(jnp.maximum(qr, 0.0), kmax) + _dot_t(jnp.minimum(qr, 0.0), kmin)
+        best = s if best is None else jnp.maximum(best, s)
+    out_ref[...] = best
+
+
+def score_pool(queries, summaries, *, score_tile=512, interpret=False):
+    """queries ``[Hkv, R, Bp, D]`` f32 (Bp a multiple of 8; R = 1, the group means, for
+    centroids; the group's R heads for Quest), summaries (centroids, or Quest's (kmin, kmax)),
+    each ``[Hkv, N, D]`` -> scores ``[Hkv, Bp, N]`` f32 of every pool page against every
+    sequence."""
+    hkv, r, bp, d = queries.shape
+    n_total = summaries[0].shape[1]
     tn = n_total if n_total <= score_tile else score_tile
     return pl.pallas_call(
         _score_kernel,
         grid=(hkv, pl.cdiv(n_total, tn)),
-        in_specs=[pl.BlockSpec((None, bp, d), lambda h, j: (h, 0, 0)),
-                  pl.BlockSpec((None, tn, d), lambda h, j: (h, j, 0))],
+        in_specs=[pl.BlockSpec((None, r, bp, d), lambda h, j: (h, 0, 0, 0)),
+                  *[pl.BlockSpec((None, tn, d), lambda h, j: (h, j, 0))] * len(summaries)],
         out_specs=pl.BlockSpec((None, bp, tn), lambda h, j: (h, 0, j)),
         out_shape=jax.ShapeDtypeStruct((hkv, bp, n_total), jnp.float32),
         compiler_params=pltpu.CompilerParams(dimension_semantics=("parallel", "parallel")),
         interpret=_interpret(interpret), name="sparse_decode_tpu_score",
-    )(qbar, centroids)
+    )(queries, *summaries)
 
 
 def row_keys(scores, page_table, lengths, *, page_size, mpad):
@@ -436,21 +456,14 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret else False
 
 
-def _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                centroids, max_budget_pages):
-    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
-                             page_size=page_size, max_budget_pages=max_budget_pages)
-    why = kernel_limits(q.shape[-1], page_size, scorer)
-    if why is not None:
-        raise ValueError(f"sparse_decode_tpu: {why}")
-    if centroids is not None:
-        check_summary("centroids", centroids, k_pages)
 
 
 def sparse_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
                       page_size: int = 16, scorer: str = "centroid",
-                      centroids: jax.Array | None = None, max_budget_pages: int | None = None,
+                      centroids: jax.Array | None = None,
+                      summaries: tuple[jax.Array, jax.Array] | None = None,
+                      max_budget_pages: int | None = None,
                       tuning: TpuDecodeTuning = TpuDecodeTuning(),
                       interpret: bool = False) -> jax.Array:
     """Block top-k sparse decode attention, the TPU kernels.
@@ -467,9 +480,11 @@ def sparse_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       budget_pages: ``[B]`` int32 pages per (sequence, KV head), the 3 reserved included
         (>= 3). Under jit, where they cannot be checked, clipped to ``[3, max_budget_pages]``.
       page_size: P, one of 16, 32, 64.
-      scorer: ``"centroid"`` only.
-      centroids: ``[Hkv, N, D]`` page means of the keys in the cache dtype; computed from the
-        pages when None.
+      scorer: ``"centroid"`` (qbar . page mean of keys) or ``"quest"`` (Quest's bound from
+        each page's elementwise min and max of keys).
+      centroids: ``[Hkv, N, D]`` page means of the keys in the cache dtype, for ``"centroid"``;
+        computed from the pages when None.
+      summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``"quest"``; computed when None.
       max_budget_pages: static size of the page lists; default M.
       tuning: :class:`TpuDecodeTuning`.
       interpret: run in TPU interpret mode (CPU tests; DMAs and semaphores simulated).
@@ -477,22 +492,25 @@ def sparse_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     Returns:
       ``[B, Hq, D]`` in q's dtype.
     """
-    _check_args(q, k_pages, v_pages, page_table, lengths, budget_pages, page_size, scorer,
-                centroids, max_budget_pages)
-    if centroids is None:
-        centroids = page_centroids(k_pages)
-    return sparse_decode_tpu_checked(q, k_pages, v_pages, centroids, page_table, lengths,
+    check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
+                             page_size=page_size, max_budget_pages=max_budget_pages)
+    why = kernel_limits(q.shape[-1], page_size, scorer)
+    if why is not None:
+        raise ValueError(f"sparse_decode_tpu: {why}")
+    summ = checked_summaries(k_pages, scorer, centroids, summaries)
+    return sparse_decode_tpu_checked(q, k_pages, v_pages, summ, page_table, lengths,
                                      budget_pages, page_size=page_size,
                                      max_budget_pages=max_budget_pages, tuning=tuning,
                                      interpret=interpret)
 
 
-def sparse_decode_tpu_checked(q, k_pages, v_pages, centroids, page_table, lengths,
+def sparse_decode_tpu_checked(q, k_pages, v_pages, summaries, page_table, lengths,
                               budget_pages, *, page_size, max_budget_pages=None,
                               tuning=TpuDecodeTuning(), interpret=False):
     """:func:`sparse_decode_tpu` for arguments its caller has already checked (as
-    ``sparse_decode`` does) and given centroids: no checks here."""
-    return _sparse_decode(q, k_pages, v_pages, centroids, page_table.astype(jnp.int32),
+    ``sparse_decode`` does) and given page summaries (centroids, or the pair (kmin, kmax) for
+    Quest): no checks here."""
+    return _sparse_decode(q, k_pages, v_pages, as_summaries(summaries), page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size,
                           max_pages=max_budget_pages or page_table.shape[1], tuning=tuning,
@@ -510,7 +528,7 @@ def list_sizes(batch, kv_heads, max_pages, page_size, tuning=TpuDecodeTuning()):
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
-def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
+def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
@@ -518,10 +536,12 @@ def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_p
     m = page_table.shape[1]
     bp, kpad, stream = list_sizes(b, hkv, max_pages, page_size, tuning)
     q_group = q.astype(jnp.float32).reshape(b, hkv, r, d)
-    # Group means for every sequence, rows padded to a sublane tile: [Hkv, Bp, D].
-    qbar = jnp.swapaxes(jnp.mean(q_group, axis=2), 0, 1)
-    qbar = jnp.pad(qbar, ((0, 0), (0, _round_up(b, 8) - b), (0, 0)))
-    scores = score_pool(qbar, centroids, score_tile=tuning.score_tile, interpret=interpret)
+    # Centroids: the group means; Quest: every head. Sequences padded to a sublane tile:
+    # [Hkv, R or 1, Bp, D].
+    queries = q_group if len(summaries) == 2 else jnp.mean(q_group, axis=2, keepdims=True)
+    queries = jnp.transpose(queries, (1, 2, 0, 3))
+    queries = jnp.pad(queries, ((0, 0), (0, 0), (0, _round_up(b, 8) - b), (0, 0)))
+    scores = score_pool(queries, summaries, score_tile=tuning.score_tile, interpret=interpret)
     mpad = _round_up(m, 8 * LANES)
     keys = row_keys(scores, page_table, lengths, page_size=page_size, mpad=mpad)
     rank = select_ranks(keys, lengths, budget_pages, page_size=page_size, max_pages=max_pages,

@@ -31,7 +31,8 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attend_gpu import default_splits, merge_splits, pow2
-from pallas_kernels.sparse_decode_gpu import check_launch_settings, checked_centroids
+from pallas_kernels import sparse_decode_gpu
+from pallas_kernels.sparse_decode_gpu import check_launch_settings, checked_args
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "
            "'sparrow-jax[triton]' (on a machine with an NVIDIA GPU)")
@@ -125,13 +126,22 @@ def sparse_decode_triton(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     also takes the tuning settings. Arguments and result as for
     :func:`pallas_kernels.sparse_decode_gpu.sparse_decode_pallas` (the same checks and limits),
     ``tuning`` a :class:`TritonDecodeTuning`. GPU only."""
-    centroids = checked_centroids(
+    (centroids,) = checked_args(
         "sparse_decode_triton", q, k_pages, v_pages, page_table, lengths, budget_pages,
-        page_size=page_size, scorer=scorer, centroids=centroids,
-        max_budget_pages=max_budget_pages, block_pages=tuning.block_pages)
+        page_size=page_size, scorer=scorer, centroids=centroids, summaries=None,
+        max_budget_pages=max_budget_pages, block_pages=tuning.block_pages, limits=kernel_limits)
     return sparse_decode_triton_checked(q, k_pages, v_pages, centroids, page_table, lengths,
                                         budget_pages, page_size=page_size,
                                         max_budget_pages=max_budget_pages, tuning=tuning)
+
+
+def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
+                  block_pages: int | None = None) -> str | None:
+    """Why these kernels cannot run a case (None when they can): they score page centroids
+    only (Quest runs on the Pallas kernels), within the Pallas kernels' shape limits."""
+    if scorer != "centroid":
+        return f"the Triton kernels score page centroids only (scorer='centroid'), got {scorer!r}"
+    return sparse_decode_gpu.kernel_limits(head_dim, page_size, scorer, block_pages)
 
 
 def kernels_module():

@@ -12,6 +12,8 @@ in one run on the GPU:
 * ``kernel``: ``pallas_kernels.sparse_decode_gpu.sparse_decode_pallas``;
 * ``triton`` (``--triton-configs``): ``pallas_kernels.sparse_decode_triton.sparse_decode_triton``
   (needs jax-triton);
+* ``quest`` (``--quest``): ``sparse_decode(scorer="quest", impl="pallas")``, the kernels scoring
+  Quest's bound from each page's min and max of keys (two summaries a page);
 
 plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array) and the bytes
 each must move. Every sequence is at the full context, pages scattered in the pool. Each timing
@@ -302,6 +304,8 @@ def main(argv=None):
     ap.add_argument("--loops", nargs="+", choices=("fori", "unrolled"), default=["fori"],
                     help="how the chained calls are timed: an XLA while loop (its own "
                          "per-iteration cost in each call) and/or written out in one program")
+    ap.add_argument("--quest", action="store_true",
+                    help="also the Pallas kernels with scorer='quest'")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -331,6 +335,10 @@ def main(argv=None):
             n_total = b * m
             order = np.arange(n_total) if args.contiguous_table else rng.permutation(n_total)
             q, k_pages, v_pages, centroids, table, lengths = decode_inputs(b, ctx, order)
+            minmax = None
+            if args.quest:   # one KV head at a time, as the centroids
+                minmax = tuple(jnp.stack([f(k_pages[i], axis=1) for i in range(HKV)])
+                               for f in (jnp.min, jnp.max))
             dense_bytes = 2 * b * ctx * HKV * D * 2
             cases = {}
             if "dense_xla_contiguous" not in args.skip:
@@ -375,6 +383,15 @@ def main(argv=None):
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
+                if args.quest:
+                    fn = functools.partial(
+                        lambda q_, k_, v_, lo_, hi_, t_, l_, bu_, **kw_: sparse_decode(
+                            q_, k_, v_, t_, l_, bu_, summaries=(lo_, hi_), **kw_),
+                        page_size=P, scorer="quest", impl="pallas", max_budget_pages=kb)
+                    cases[f"quest@{budget_tokens}"] = (
+                        budget_tokens, fn, (q, k_pages, v_pages, *minmax, table, lengths,
+                                            budgets),
+                        sparse_bytes + b * HKV * (m - 3) * D * 2)
                 for name, tuning in triton_variants:
                     fn = functools.partial(
                         lambda q_, k_, v_, c_, t_, l_, bu_, **kw_: sparse_decode_triton(
@@ -407,14 +424,17 @@ def main(argv=None):
                     out = jax.block_until_ready(jax.jit(fn)(*fn_args))
                     err = None
                     if bt is not None:
-                        if bt not in refs:
+                        scorer = "quest" if name.startswith("quest") else "centroid"
+                        if (bt, scorer) not in refs:
                             # float32 math on the bf16 cache (no float32 copy of it).
-                            refs[bt] = np.asarray(sparse_decode(
+                            refs[bt, scorer] = np.asarray(sparse_decode(
                                 q.astype(jnp.float32), k_pages, v_pages, table, lengths,
                                 jnp.full((b,), bt // P, jnp.int32), page_size=P,
-                                impl="reference", centroids=centroids,
-                                max_budget_pages=bt // P))
-                        err = rel_err(out, refs[bt])
+                                impl="reference", scorer=scorer,
+                                max_budget_pages=bt // P,
+                                **(dict(summaries=minmax) if scorer == "quest" else
+                                   dict(centroids=centroids))))
+                        err = rel_err(out, refs[bt, scorer])
                         if name.startswith("kernel") and err > 1e-2:
                             nbad, rows_, gap = selection_agreement(
                                 q, centroids, table, lengths, jnp.full((b,), bt // P, jnp.int32),
@@ -449,7 +469,7 @@ def main(argv=None):
                     rows.append(row)
                     print(json.dumps(row), flush=True)
             del k_pages, v_pages, cases
-            fn_args = refs = k_cont = v_cont = out = None  # free the device buffers
+            fn_args = refs = k_cont = v_cont = out = minmax = None  # free the device buffers
     table_rows = summarize(rows)
     if args.out:
         with open(args.out, "w") as f:
@@ -500,6 +520,18 @@ def summarize(rows):
                    f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
                    f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
                    f"{best['rel_err_vs_ref']:.1e} " + triton_cells)
+    for r in ok:
+        if r["impl"] == "quest":
+            kern = [k for k in ok if k["impl"].startswith("kernel") and all(
+                k[f] == r[f] for f in ("loop", "context", "batch", "budget_tokens"))]
+            d = dense.get((r["context"], r["batch"], r["loop"]), {})
+            vs = (f"{r['ms'] / min(k['ms'] for k in kern):.2f}x the centroid kernel's time, "
+                  if kern else "")
+            out.append(f"quest {r['loop']} ctx {r['context']} b {r['batch']} budget "
+                       f"{r['budget_tokens']}: {r['ms']:.3f} ms, {vs}"
+                       f"{min(d.values(), default=float('nan')) / r['ms']:.1f}x dense, "
+                       f"{100 * r['frac_ceiling']:.0f}% ceiling, rel err "
+                       f"{r['rel_err_vs_ref']:.1e}")
     parts = [r for r in ok if r["impl"].startswith(("part_", "tpart_"))]
     if parts:
         out.append("")

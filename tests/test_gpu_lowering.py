@@ -69,6 +69,19 @@ def test_sparse_decode_lowers_for_h100(tuning, dtype, hq):
         "sparse_decode_score", "sparse_decode_select", *attend]
 
 
+@pytest.mark.parametrize("hq", [8, 10])    # groups of 4 and 5
+def test_quest_lowers_for_h100(hq):
+    c = decode_case(hq=hq)
+
+    def step(q, k, v, kmin, kmax, table, lengths, budget):
+        return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
+                                    scorer="quest", summaries=(kmin, kmax), max_budget_pages=8)
+
+    assert triton_kernels(step, c["q"], c["k"], c["v"], c["cent"], c["cent"],
+                          *list(c.values())[4:]) == [
+        "sparse_decode_score", "sparse_decode_select", "sparse_decode_attend_balanced"]
+
+
 def dense_shapes(*, b=64, width=516, pages=16449):
     """Dense decode in the 8K refill's chunks: 64 slots, a 516-page table (no power of two),
     Qwen3-1.7B's GQA 16/8."""
@@ -299,6 +312,23 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch,
               ["sparse_decode_attend_balanced"])
     assert [k.split("_", 1)[1] for k in report] == [
         "sparse_decode_score", "sparse_decode_select", *attend]
+    assert fits_h100(report), report
+
+
+@needs_triton
+def test_quest_scoring_compiles_for_hopper_without_spills(tmp_path, monkeypatch):
+    """Quest at issue 5's shape (two summaries a page, a group of 4 heads): the scoring kernel
+    compiles for sm_90 without spills."""
+    q, k, v, cent, *rest = issue5_shapes()
+
+    def step(q, k, v, kmin, kmax, table, lengths, budget):
+        return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
+                                    scorer="quest", summaries=(kmin, kmax),
+                                    max_budget_pages=128)
+
+    report = ptxas_report(step, q, k, v, cent, cent, *rest, tmp_path=tmp_path,
+                          monkeypatch=monkeypatch)
+    assert [k.split("_", 1)[1] for k in report][0] == "sparse_decode_score"
     assert fits_h100(report), report
 
 

@@ -227,23 +227,21 @@ def test_impl_choice(monkeypatch):
     assert resolve_impl("auto", "centroid", 128, 16) == "pallas_tpu"
     assert resolve_impl("auto", "centroid", 64, 16) == "reference"      # below the lane width
     assert resolve_impl("auto", "centroid", 128, 8) == "reference"      # not a TPU page size
-    assert resolve_impl("auto", "quest", 128, 16) == "reference"
+    assert resolve_impl("auto", "quest", 128, 16) == "pallas_tpu"
     monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
     assert resolve_impl("auto", "centroid", 128, 16) == "pallas"
-    assert resolve_impl("auto", "quest", 128, 16) == "reference"
+    assert resolve_impl("auto", "quest", 128, 16) == "pallas"
     assert resolve_impl("auto", "centroid", 8, 16) == "reference"       # below the kernels' tile
     assert resolve_impl("auto", "centroid", 96, 16) == "reference"      # not a power of two
     assert resolve_impl("reference", "centroid", 128, 16) == "reference"
     assert resolve_impl("pallas", "centroid", 128, 16) == "pallas"
     with pytest.raises(ValueError, match="head_dim"):
         resolve_impl("pallas", "centroid", 96, 16)
-
-
-def test_pallas_with_quest_says_so():
-    rng = np.random.default_rng(0)
-    q, k, v, table, lengths = _scattered_case(rng, batch=1, hkv=1, r=1, d=16, lengths=[9])
-    with pytest.raises(ValueError, match=r"impl='pallas'.*centroid"):
-        _run(q, k, v, table, lengths, [3], "quest", impl="pallas")
+    assert resolve_impl("triton", "centroid", 128, 16) == "triton"
+    with pytest.raises(ValueError, match=r"impl='triton'.*centroid"):
+        resolve_impl("triton", "quest", 128, 16)
+    with pytest.raises(ValueError, match="unknown scorer"):
+        resolve_impl("pallas", "minmax", 128, 16)
 
 
 def test_auto_runs_the_kernels_exactly_on_gpu():

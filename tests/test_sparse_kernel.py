@@ -7,6 +7,8 @@ On CPU the kernels run in Pallas' interpreter; on a GPU the same tests compile t
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -80,6 +82,38 @@ def test_full_matrix(r, d, dtype):
     rng = np.random.default_rng(r * 7 + d)
     lengths, budgets = random_kernel_case(rng)
     check(rng, lengths=lengths, budgets=budgets, hkv=2, r=r, d=d, dtype=dtype)
+
+
+@pytest.mark.parametrize("r,d,dtype", [(5, 128, jnp.float32), (2, 64, jnp.bfloat16)])
+def test_quest_matches_float64_reference(r, d, dtype):
+    """scorer="quest": each page's bound from its elementwise min and max of keys, the largest
+    over the group's heads (the reference scores from the keys themselves)."""
+    rng = np.random.default_rng(r * 100 + d)
+    q, k, v, _, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=r, d=d,
+                                           dtype=dtype)
+    budgets = jnp.asarray(KERNEL_BUDGETS, jnp.int32)
+    out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, scorer="quest",
+                               interpret=INTERPRET)
+    want = sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table), np.asarray(lengths),
+                            np.asarray(budgets), page_size=P, scorer="quest")
+    assert_kernel_close(as64(out), want, low_precision=dtype == jnp.bfloat16)
+
+
+def test_quest_selection_equals_reference():
+    """The Quest lists, page for page (a group of 3: the largest over heads matters), from the
+    summaries as the cache stores them."""
+    rng = np.random.default_rng(13)
+    q, k, v, _, table, lengths = make_case(rng, lengths=[1000, 17, 600], hkv=2, r=3, d=64,
+                                           dtype=jnp.float32)
+    budgets = np.array([30, 3, 64], np.int32)
+    minmax = (jnp.min(k, axis=2), jnp.max(k, axis=2))
+    phys, slots, count = select_page_lists(q, minmax, table, lengths, jnp.asarray(budgets),
+                                           page_size=P, max_pages=64, interpret=INTERPRET)
+    got, _ = lists_as_sets(phys, slots, count)
+    _, want = sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table),
+                               np.asarray(lengths), budgets, page_size=P, scorer="quest",
+                               return_pages=True)
+    assert got == want
 
 
 @pytest.mark.parametrize("tuning", [
@@ -272,7 +306,9 @@ def test_centroids_default_to_the_page_means():
 
 
 @pytest.mark.parametrize("change,match", [
-    (dict(scorer="quest"), "centroid"),
+    (dict(scorer="top"), "unknown scorer"),
+    (dict(scorer="quest", centroids=jnp.zeros((2, 5, 64))), "takes summaries"),
+    (dict(scorer="quest", summaries=(jnp.zeros((2, 5, 64)),) * 2), "kmin"),
     (dict(page_size=8), "page_size"),
     (dict(max_budget_pages=2), "max_budget_pages"),
     (dict(q=jnp.zeros((2, 3, 64))), "multiple"),
@@ -301,9 +337,11 @@ def test_bad_input_is_named(change, match):
         sparse_decode_pallas(**args, interpret=True)
 
 
-def test_decode_step_through_the_kernels(monkeypatch):
+@pytest.mark.parametrize("scorer", ["centroid", "quest"])
+def test_decode_step_through_the_kernels(monkeypatch, scorer):
     """decode_step(impl="pallas") on a tiny model: the sparse layer runs the kernels and gives
-    the hidden state of impl="reference" (float32 cache)."""
+    the hidden state of impl="reference" (float32 cache), with either scorer reading the
+    summaries the cache keeps."""
     from flax import nnx
 
     from sparrow_jax.attention import sparse
@@ -323,13 +361,15 @@ def test_decode_step_through_the_kernels(monkeypatch):
     toks = np.zeros((2, max(lengths)), np.int32)
     for i, n in enumerate(lengths):
         toks[i, :n] = rng.integers(1, cfg.vocab_size, n)
-    cache = init_cache(cfg, 60, alloc.page_table, page_size=page, dtype=jnp.float32)
+    cache = init_cache(cfg, 60, alloc.page_table, page_size=page, dtype=jnp.float32,
+                       scorer=scorer)
     _, cache = prefill_jit(model, cache, jnp.asarray(toks), jnp.asarray(lengths))
     kernel_calls = []
     kernel = sparse.sparse_decode_pallas_checked
     monkeypatch.setattr(sparse, "sparse_decode_pallas_checked",
                         lambda *a, **kw: kernel_calls.append(kw) or kernel(*a, **kw))
-    step = nnx.jit(decode_step, static_argnames=("dense_layers", "impl"))   # cache not donated
+    step = functools.partial(nnx.jit(decode_step, static_argnames=("dense_layers", "impl",
+                                                                   "scorer")), scorer=scorer)
     tokens = jnp.asarray(rng.integers(1, cfg.vocab_size, 2).astype(np.int32))
     budget = jnp.asarray([5, 4], jnp.int32)          # of 11 and 8 pages: sparse
     got, _ = step(model, cache, tokens, budget_pages=budget, dense_layers=(0,), impl="pallas")

@@ -133,6 +133,22 @@ def test_selection_ties_and_signs_equal_the_reference():
     assert got[3] == [0, 2, 4, 6, 10, 11]
 
 
+@pytest.mark.parametrize("r,dtype", [(3, jnp.float32), (4, jnp.bfloat16)])
+def test_quest_matches_float64_reference(r, dtype):
+    """scorer="quest" on the TPU kernels: Quest's bound per query head on the matrix unit (the
+    positive and negative parts of q against kmax and kmin), the largest over the group."""
+    rng = np.random.default_rng(40 + r)
+    q, k, v, _, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=r, d=128,
+                                           dtype=dtype, page_size=16)
+    budgets = jnp.asarray(KERNEL_BUDGETS, jnp.int32)
+    out = sparse_decode_tpu(q, k, v, table, lengths, budgets, page_size=16, scorer="quest",
+                            summaries=(jnp.min(k, axis=2), jnp.max(k, axis=2)),
+                            interpret=INTERPRET)
+    want = sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table), np.asarray(lengths),
+                            np.asarray(budgets), page_size=16, scorer="quest")
+    assert_kernel_close(as64(out), want, low_precision=dtype == jnp.bfloat16)
+
+
 def test_page_lists_mark_runs():
     """Runs of entries whose pages follow each other in the pool, cut at block ends and at the
     count (worked by hand)."""
@@ -151,7 +167,7 @@ def test_page_lists_mark_runs():
 @pytest.mark.parametrize("change,match", [
     (dict(d=64), "head_dim a multiple of 128"),
     (dict(page_size=8), "page_size in"),
-    (dict(scorer="quest"), "centroid"),
+    (dict(scorer="top"), "unknown scorer"),
 ])
 def test_unsupported_cases_raise_clearly(change, match):
     d, p = change.pop("d", 128), change.get("page_size", 16)

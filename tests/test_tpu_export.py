@@ -43,6 +43,17 @@ def test_sparse_step_lowers_for_tpu(chip, hq, hkv, page_size):
     assert_mosaic(exported)
 
 
+@pytest.mark.parametrize("chip", sorted(CHIPS))
+def test_quest_step_lowers_for_tpu(chip):
+    """scorer="quest": the scoring kernel takes kmin and kmax and the group's 4 heads."""
+    q, k, v, cent, *rest = sparse_step_args(32, 8, 16)
+    exported = export_for_tpu(
+        lambda q, k, v, kmin, kmax, *a: sparse_decode_tpu_checked(q, k, v, (kmin, kmax), *a,
+                                                                  page_size=16),
+        q, k, v, cent, cent, *rest, chip=chip)
+    assert_mosaic(exported)
+
+
 def test_streamed_lists_lower_for_tpu():
     """Batch 64 at 32K: the page lists outgrow SMEM and are copied in row by row."""
     from pallas_kernels.sparse_decode_tpu import list_sizes

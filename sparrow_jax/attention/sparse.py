@@ -17,32 +17,12 @@ import jax
 import jax.numpy as jnp
 from jax import lax
 
-from pallas_kernels import sparse_decode_tpu
+from pallas_kernels import sparse_decode_tpu, sparse_decode_triton
 from pallas_kernels.sparse_decode_gpu import kernel_limits, sparse_decode_pallas_checked
 from sparrow_jax.attention import selection
-from sparrow_jax.attention.sparse_args import check_sparse_decode_args, check_summary
+from sparrow_jax.attention.sparse_args import check_sparse_decode_args, checked_summaries
 
 IMPLS = ("auto", "reference", "pallas", "pallas_tpu", "triton")
-
-
-def _summaries(k_pages, scorer, centroids, summaries):
-    if scorer == "centroid":
-        if summaries is not None:
-            raise ValueError("scorer='centroid' takes centroids=, not summaries=")
-        if centroids is None:
-            return (selection.page_centroids(k_pages),)
-        check_summary("centroids", centroids, k_pages)
-        return (centroids,)
-    if centroids is not None:
-        raise ValueError("scorer='quest' takes summaries=(kmin, kmax), not centroids=")
-    if summaries is None:
-        return selection.page_minmax(k_pages)
-    if len(summaries) != 2:
-        raise ValueError("summaries must be a pair (kmin, kmax), each [kv_heads, pages_total, "
-                         "head_dim]")
-    for name, s in zip(("kmin", "kmax"), summaries):
-        check_summary(f"summaries' {name}", s, k_pages)
-    return tuple(summaries)
 
 
 def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_table: jax.Array,
@@ -64,14 +44,15 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
       page_size: P.
       scorer: ``"centroid"`` (qbar . page mean of keys) or ``"quest"`` (elementwise min/max bound).
       impl: ``"reference"`` (pure JAX, any backend and scorer), ``"pallas"`` (the Pallas
-        kernels of :mod:`pallas_kernels.sparse_decode_gpu`; centroid scorer only, else
-        ValueError; run interpreted off GPU, slowly, so CPU tests check them), ``"pallas_tpu"``
-        (the Mosaic kernels of :mod:`pallas_kernels.sparse_decode_tpu`; centroid scorer, page
-        size 16/32/64, head_dim a multiple of 128, else ValueError; run in TPU interpret mode
-        off TPU), ``"triton"`` (the Triton kernels of
+        kernels of :mod:`pallas_kernels.sparse_decode_gpu`; power-of-two page size and
+        head_dim >= 16, else ValueError; run interpreted off GPU, slowly, so CPU tests check
+        them), ``"pallas_tpu"`` (the Mosaic kernels of :mod:`pallas_kernels.sparse_decode_tpu`;
+        page size 16/32/64, head_dim a multiple of 128, else ValueError; run in TPU interpret
+        mode off TPU), ``"triton"`` (the Triton kernels of
         :mod:`pallas_kernels.sparse_decode_triton` through jax-triton, GPU only: the
-        ``triton`` extra; limits as ``"pallas"``), ``"auto"`` (the kernels for the platform
-        where they apply, else the reference: see :func:`resolve_impl`).
+        ``triton`` extra; limits as ``"pallas"``, centroid scorer only), ``"auto"`` (the
+        kernels for the platform where they apply, else the reference: see
+        :func:`resolve_impl`). The Pallas kernels run both scorers.
       centroids: ``[Hkv, N, D]`` page centroids for ``scorer="centroid"``, computed from the pages
         when None. Only full pages' centroids are read.
       summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``scorer="quest"``; computed when None.
@@ -89,7 +70,7 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         raise ValueError(f"unknown scorer {scorer!r}; expected one of {selection.SCORERS}")
     check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
                              page_size=page_size, max_budget_pages=max_budget_pages)
-    summ = _summaries(k_pages, scorer, centroids, summaries)
+    summ = checked_summaries(k_pages, scorer, centroids, summaries)
     args = (q, k_pages, v_pages, page_table, lengths, budget_pages)
 
     def reference(*a):
@@ -98,18 +79,17 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
 
     def tpu_kernels(*a, interpret=False):
         return sparse_decode_tpu.sparse_decode_tpu_checked(
-            *a[:3], summ[0], *a[3:], page_size=page_size, max_budget_pages=max_budget_pages,
+            *a[:3], summ, *a[3:], page_size=page_size, max_budget_pages=max_budget_pages,
             interpret=interpret)
 
     chosen = resolve_impl(impl, scorer, q.shape[-1], page_size)
     if chosen == "triton":
-        from pallas_kernels.sparse_decode_triton import sparse_decode_triton_checked
-        return sparse_decode_triton_checked(
+        return sparse_decode_triton.sparse_decode_triton_checked(
             q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
             page_size=page_size, max_budget_pages=max_budget_pages)
     if chosen == "pallas":
         return sparse_decode_pallas_checked(
-            q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
+            q, k_pages, v_pages, summ, page_table, lengths, budget_pages,
             page_size=page_size, max_budget_pages=max_budget_pages,
             interpret=jax.default_backend() != "gpu")
     if chosen == "pallas_tpu":
@@ -129,10 +109,9 @@ def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
     ``jax.default_backend()``): ``"pallas"``, ``"pallas_tpu"``, ``"triton"`` (only when named)
     or ``"reference"``.
 
-    ``"auto"`` is the GPU kernels on a GPU where they apply (scorer ``"centroid"``, power-of-two
-    page size and head_dim >= 16), the TPU kernels on a TPU where they apply (scorer
-    ``"centroid"``, page size 16/32/64, head_dim a multiple of 128), else the reference (CPU,
-    scorer ``"quest"``, shapes the kernels reject). Off GPU, ``sparse_decode`` makes the TPU
+    ``"auto"`` is the GPU kernels on a GPU where they apply (power-of-two page size and
+    head_dim >= 16), the TPU kernels on a TPU where they apply (page size 16/32/64, head_dim a
+    multiple of 128), else the reference (CPU, shapes the kernels reject); either scorer. Off GPU, ``sparse_decode`` makes the TPU
     choice when lowering (``lax.platform_dependent``), so a step exported for TPU from a CPU
     host holds the TPU kernels. A named kernel that does not apply raises ValueError; off its
     platform it runs interpreted (slow; for tests).
@@ -141,7 +120,7 @@ def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     platform = platform or jax.default_backend()
     why = {"pallas": kernel_limits(head_dim, page_size, scorer),
-           "triton": kernel_limits(head_dim, page_size, scorer),
+           "triton": sparse_decode_triton.kernel_limits(head_dim, page_size, scorer),
            "pallas_tpu": sparse_decode_tpu.kernel_limits(head_dim, page_size, scorer)}
     if impl == "auto":
         impl = {"gpu": "pallas", "tpu": "pallas_tpu"}.get(platform, "reference")

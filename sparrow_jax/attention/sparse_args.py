@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from sparrow_jax.attention import selection
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES
 
 
@@ -33,6 +34,37 @@ def check_summary(name: str, x, k_pages) -> None:
     if x.shape != want:
         raise ValueError(f"{name} must be [kv_heads, pages_total, head_dim] = {want}, got "
                          f"{x.shape}")
+
+
+def as_summaries(summaries) -> tuple:
+    """Page summaries as the kernels take them: centroids (an array, or a 1-tuple) or Quest's
+    pair (kmin, kmax), as a tuple whose length names the scorer."""
+    return (summaries,) if isinstance(summaries, jax.Array) else tuple(summaries)
+
+
+def checked_summaries(k_pages, scorer: str, centroids, summaries) -> tuple:
+    """The page summaries a scorer reads, checked against ``k_pages [Hkv, N, P, D]``:
+    ``(centroids,)`` for ``"centroid"``, ``(kmin, kmax)`` for ``"quest"``, each ``[Hkv, N, D]``,
+    computed from the pages when not given."""
+    if scorer == "centroid":
+        if summaries is not None:
+            raise ValueError("scorer='centroid' takes centroids=, not summaries=")
+        if centroids is None:
+            return (selection.page_centroids(k_pages),)
+        check_summary("centroids", centroids, k_pages)
+        return (centroids,)
+    if scorer != "quest":
+        raise ValueError(f"unknown scorer {scorer!r}; expected one of {selection.SCORERS}")
+    if centroids is not None:
+        raise ValueError("scorer='quest' takes summaries=(kmin, kmax), not centroids=")
+    if summaries is None:
+        return selection.page_minmax(k_pages)
+    if len(summaries) != 2:
+        raise ValueError("summaries must be a pair (kmin, kmax), each [kv_heads, pages_total, "
+                         "head_dim]")
+    for name, s in zip(("kmin", "kmax"), summaries):
+        check_summary(f"summaries' {name}", s, k_pages)
+    return tuple(summaries)
 
 
 def check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages, *,
