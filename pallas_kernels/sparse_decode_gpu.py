@@ -67,12 +67,13 @@ def _is_pow2(x: int) -> bool:
 
 def check_launch_settings(tuning) -> None:
     """The launch settings the GPU kernels share (Pallas' :class:`GpuDecodeTuning` and the
-    Triton path's): block_pages (None allowed), splits, score_chunk, warps, attend_stages."""
+    Triton path's): block_pages and score_chunk (None allowed), splits, warps, attend_stages."""
     if tuning.block_pages is not None and not _is_pow2(tuning.block_pages):
         raise ValueError(f"block_pages must be a power of two, got {tuning.block_pages}")
     if tuning.splits is not None and tuning.splits < 1:
         raise ValueError(f"splits must be >= 1, got {tuning.splits}")
-    if not _is_pow2(tuning.score_chunk) or tuning.score_chunk < 16:
+    if tuning.score_chunk is not None and (not _is_pow2(tuning.score_chunk)
+                                           or tuning.score_chunk < 16):
         raise ValueError(f"score_chunk must be a power of two >= 16, got {tuning.score_chunk}")
     for name in ("score_warps", "select_warps", "attend_warps"):
         w = getattr(tuning, name)
@@ -105,7 +106,8 @@ class GpuDecodeTuning:
       :func:`default_block_pages`).
     splits: parts of each page list attended in parallel by even splits (None:
       :func:`default_splits`); set, it selects even splits when ``balanced`` is None.
-    score_chunk: page slots per scoring program, a power of two.
+    score_chunk: page slots per scoring program, a power of two (None:
+      :func:`default_score_chunk`).
     score_warps, select_warps: Triton warps of the scoring and selection kernels.
     attend_warps, attend_stages: Triton warps and pipelining depth of the attention kernel;
       the defaults are the H100 sweep's (notes/kernel_notes.md, item 10): 2 warps and no
@@ -122,7 +124,7 @@ class GpuDecodeTuning:
     """
     block_pages: int | None = None
     splits: int | None = None
-    score_chunk: int = 64
+    score_chunk: int | None = None
     score_warps: int = 4
     select_warps: int = 4
     attend_warps: int = 2
@@ -132,13 +134,16 @@ class GpuDecodeTuning:
     def __post_init__(self):
         check_launch_settings(self)
 
-    def resolve(self, *, page_size: int, batch: int, kv_heads: int,
-                max_pages: int) -> GpuDecodeTuning:
-        """These settings with block_pages, splits and balanced decided for one problem."""
+    def resolve(self, *, page_size: int, batch: int, kv_heads: int, max_pages: int,
+                summaries: int = 1) -> GpuDecodeTuning:
+        """These settings with block_pages, splits, balanced and score_chunk decided for one
+        problem (``summaries``: vectors a page is scored from, 2 for Quest)."""
         bp = self.block_pages or default_block_pages(page_size)
         splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
         balanced = self.splits is None if self.balanced is None else self.balanced
-        return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced)
+        chunk = self.score_chunk or default_score_chunk(summaries)
+        return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced,
+                                   score_chunk=chunk)
 
 
 def _quest_scores(queries: jax.Array, group: int, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
@@ -307,6 +312,14 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
     return None
 
 
+def default_score_chunk(summaries: int) -> int:
+    """Page slots a scoring program holds: 64 scored from centroids, 32 from Quest's two
+    summaries (H100, 32K, budget 2048: Quest's step at chunks of 32 took 0.91x its time at 64
+    at batch 8 and 32, at 16 or with 8 warps no faster, BENCHMARKS.md "Quest in the kernels";
+    64 slots of two float32 summaries hold 149 registers a thread, 3 programs an SM)."""
+    return 64 // summaries
+
+
 def default_block_pages(page_size: int) -> int:
     """Pages per attention step: 4 (the H100 sweep at page 16), at least 16 tokens."""
     return max(4, 16 // page_size)
@@ -366,9 +379,10 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, len
     ``sparse_decode`` does) and given page summaries (centroids, or the pair (kmin, kmax) for
     Quest): no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
+    summaries = as_summaries(summaries)
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
-                            max_pages=max_pages)
-    return _sparse_decode(q, k_pages, v_pages, as_summaries(summaries),
+                            max_pages=max_pages, summaries=len(summaries))
+    return _sparse_decode(q, k_pages, v_pages, summaries,
                           page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size, max_pages=max_pages, tuning=tuning,
@@ -406,7 +420,8 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
     own each layer; H100 at 32K: 0.9 us of device time and a launch gap)."""
     summaries = as_summaries(summaries)
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0],
-                            kv_heads=summaries[0].shape[0], max_pages=max_pages)
+                            kv_heads=summaries[0].shape[0], max_pages=max_pages,
+                            summaries=len(summaries))
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
     keys = score_keys(q, summaries, table, lengths, page_size=page_size, tuning=tuning,
@@ -418,14 +433,14 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
 
 def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
                interpret=False):
-    """The scoring kernel alone: q ``[B, Hq, D]``, summaries (as for :func:`select_page_lists`), table
-    ``[B, Mpad]`` (padded, :func:`list_sizes`) -> keys ``[B, Hkv, Mpad]`` int32
-    (:func:`_score_kernel`)."""
+    """The scoring kernel alone: q ``[B, Hq, D]``, summaries (as for
+    :func:`select_page_lists`), table ``[B, Mpad]`` (padded, :func:`list_sizes`) -> keys
+    ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
     summaries = as_summaries(summaries)
     b, hq, d = q.shape
     hkv, n_total = summaries[0].shape[:2]
     mpad = table.shape[1]
-    chunk = tuning.score_chunk
+    chunk = tuning.score_chunk or default_score_chunk(len(summaries))
     return pl.pallas_call(
         functools.partial(_score_kernel, page_size=page_size, chunk=chunk, group=hq // hkv),
         grid=(b, hkv, mpad // chunk),

@@ -8,9 +8,9 @@ an explicit DMA from HBM into VMEM. Three kernels with a little XLA between them
 1. ``_score_kernel``, grid ``(Hkv, ceil(N / Tn))``: float32 scores ``qbar . centroid`` of every
    page of the pool against every sequence's group mean ``qbar``, one matrix-unit product per
    tile of the pool (Quest: ``q+ . kmax + q- . kmin`` for each of the group's heads, the
-   positive and negative parts of q, then the largest over the heads). On TPU a gather of one 256-byte centroid per page would be one DMA per page;
-   the pool read in tiles moves the same bytes when the pool is full (as the engine sizes it)
-   in a handful of large copies. XLA then picks each sequence's pages out of the scores (a
+   positive and negative parts of q, then the largest over the heads). On TPU a gather of one
+   256-byte centroid per page would be one DMA per page; the pool read in tiles moves the same
+   bytes when the pool is full (as the engine sizes it) in a handful of large copies. XLA then picks each sequence's pages out of the scores (a
    scalar gather) and turns them into int32 keys ordered like the scores.
 2. ``_select_kernel``, grid ``(B, Hkv)``: the exact selection of the reference (page 0 and the
    last two pages kept, the ``K - 3`` best of the others, ties to the lower page index) by a
@@ -510,7 +510,8 @@ def sparse_decode_tpu_checked(q, k_pages, v_pages, summaries, page_table, length
     """:func:`sparse_decode_tpu` for arguments its caller has already checked (as
     ``sparse_decode`` does) and given page summaries (centroids, or the pair (kmin, kmax) for
     Quest): no checks here."""
-    return _sparse_decode(q, k_pages, v_pages, as_summaries(summaries), page_table.astype(jnp.int32),
+    return _sparse_decode(q, k_pages, v_pages, as_summaries(summaries),
+                          page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size,
                           max_pages=max_budget_pages or page_table.shape[1], tuning=tuning,

@@ -12,8 +12,8 @@ in one run on the GPU:
 * ``kernel``: ``pallas_kernels.sparse_decode_gpu.sparse_decode_pallas``;
 * ``triton`` (``--triton-configs``): ``pallas_kernels.sparse_decode_triton.sparse_decode_triton``
   (needs jax-triton);
-* ``quest`` (``--quest``): ``sparse_decode(scorer="quest", impl="pallas")``, the kernels scoring
-  Quest's bound from each page's min and max of keys (two summaries a page);
+* ``quest`` (``--quest``): each ``kernel`` variant with ``scorer="quest"``, scoring Quest's bound
+  from each page's min and max of keys (two summaries a page);
 
 plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array) and the bytes
 each must move. Every sequence is at the full context, pages scattered in the pool. Each timing
@@ -383,12 +383,13 @@ def main(argv=None):
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
-                if args.quest:
+                for name, tuning in variants if args.quest else ():
                     fn = functools.partial(
-                        lambda q_, k_, v_, lo_, hi_, t_, l_, bu_, **kw_: sparse_decode(
+                        lambda q_, k_, v_, lo_, hi_, t_, l_, bu_, **kw_: sparse_decode_pallas(
                             q_, k_, v_, t_, l_, bu_, summaries=(lo_, hi_), **kw_),
-                        page_size=P, scorer="quest", impl="pallas", max_budget_pages=kb)
-                    cases[f"quest@{budget_tokens}"] = (
+                        page_size=P, scorer="quest", max_budget_pages=kb, tuning=tuning,
+                        interpret=args.interpret)
+                    cases[f"quest_{name[7:]}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, *minmax, table, lengths,
                                             budgets),
                         sparse_bytes + b * HKV * (m - 3) * D * 2)
@@ -521,13 +522,13 @@ def summarize(rows):
                    f"{comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
                    f"{best['rel_err_vs_ref']:.1e} " + triton_cells)
     for r in ok:
-        if r["impl"] == "quest":
-            kern = [k for k in ok if k["impl"].startswith("kernel") and all(
+        if r["impl"].startswith("quest_"):
+            kern = [k for k in ok if k["impl"] == "kernel_" + r["impl"][6:] and all(
                 k[f] == r[f] for f in ("loop", "context", "batch", "budget_tokens"))]
             d = dense.get((r["context"], r["batch"], r["loop"]), {})
-            vs = (f"{r['ms'] / min(k['ms'] for k in kern):.2f}x the centroid kernel's time, "
+            vs = (f"{r['ms'] / kern[0]['ms']:.2f}x the centroid kernel's time, "
                   if kern else "")
-            out.append(f"quest {r['loop']} ctx {r['context']} b {r['batch']} budget "
+            out.append(f"{r['impl']} {r['loop']} ctx {r['context']} b {r['batch']} budget "
                        f"{r['budget_tokens']}: {r['ms']:.3f} ms, {vs}"
                        f"{min(d.values(), default=float('nan')) / r['ms']:.1f}x dense, "
                        f"{100 * r['frac_ceiling']:.0f}% ceiling, rel err "
