@@ -9,9 +9,10 @@ an explicit DMA from HBM into VMEM. Three kernels with a little XLA between them
    page of the pool against every sequence's group mean ``qbar``, one matrix-unit product per
    tile of the pool (Quest: ``q+ . kmax + q- . kmin`` for each of the group's heads, the
    positive and negative parts of q, then the largest over the heads). On TPU a gather of one
-   256-byte centroid per page would be one DMA per page; the pool read in tiles moves the same
-   bytes when the pool is full (as the engine sizes it) in a handful of large copies. XLA then picks each sequence's pages out of the scores (a
-   scalar gather) and turns them into int32 keys ordered like the scores.
+   256-byte centroid per page would be one DMA per page; the pool read in tiles moves the same bytes
+   when the pool is full (as the engine sizes it) in a handful of large copies. XLA then picks each
+   sequence's pages out of the scores (a scalar gather) and turns them into int32 keys ordered like
+   the scores.
 2. ``_select_kernel``, grid ``(B, Hkv)``: the exact selection of the reference (page 0 and the
    last two pages kept, the ``K - 3`` best of the others, ties to the lower page index) by a
    threshold found bit by bit over the keys (at most 32 counting passes over the row held in

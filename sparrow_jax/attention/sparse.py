@@ -111,10 +111,10 @@ def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
 
     ``"auto"`` is the GPU kernels on a GPU where they apply (power-of-two page size and
     head_dim >= 16), the TPU kernels on a TPU where they apply (page size 16/32/64, head_dim a
-    multiple of 128), else the reference (CPU, shapes the kernels reject); either scorer. Off
-    GPU, ``sparse_decode`` makes the TPU choice when lowering (``lax.platform_dependent``), so
-    a step exported for TPU from a CPU host holds the TPU kernels. A named kernel that does not apply raises ValueError; off its
-    platform it runs interpreted (slow; for tests).
+    multiple of 128), else the reference (CPU, shapes the kernels reject); either scorer. Off GPU,
+    ``sparse_decode`` makes the TPU choice when lowering (``lax.platform_dependent``), so a step
+    exported for TPU from a CPU host holds the TPU kernels. A named kernel that does not apply
+    raises ValueError; off its platform it runs interpreted (slow; for tests).
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
