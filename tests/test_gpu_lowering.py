@@ -145,6 +145,27 @@ def prep_append_step(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent):
                                     layer=3, page_size=16, eps=1e-6)
 
 
+def with_quest(shapes):
+    """``shapes`` (ending in a layer's cache arrays) plus a Quest cache's running min and max
+    ``[L, B, H, D]`` and the layer's kmin and kmax ``[H, N, D]``."""
+    def quest_shapes(**kw):
+        args = shapes(**kw)
+        acc, pages = args[-4], args[-3]
+        summary = jax.ShapeDtypeStruct(pages.shape[:2] + pages.shape[3:], pages.dtype)
+        return [*args, *[jax.ShapeDtypeStruct(acc.shape, pages.dtype)] * 2, summary, summary]
+    return quest_shapes
+
+
+def quest_append_step(page, slot, k, v, sums, kp, vp, cent, *quest):
+    return append_token_pallas(page, slot, k, v, sums, kp, vp, cent, quest, layer=3,
+                               page_size=16)
+
+
+def quest_prep_append_step(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent, *quest):
+    return prep_append_token_pallas(page, slot, qkv, qw, kw, cos, sin, sums, kp, vp, cent,
+                                    quest, layer=3, page_size=16, eps=1e-6)
+
+
 def qkv_shapes(*, hq=16, h=8, d=128, hidden=2048, **kw):
     """The decode step's attention input: the normed hidden rows and the q, k, v weights, then
     :func:`prep_append_shapes`' arguments after the projections."""
@@ -337,13 +358,15 @@ def test_quest_scoring_compiles_for_hopper_without_spills(tmp_path, monkeypatch)
     (paged_attention_pallas, dense_shapes, "dense_decode_attend"),
     (append_step, append_shapes, "paged_append"),
     (prep_append_step, prep_append_shapes, "paged_prep_append"),
+    (quest_append_step, with_quest(append_shapes), "paged_append"),
+    (quest_prep_append_step, with_quest(prep_append_shapes), "paged_prep_append"),
     (gate_up_step, gate_up_shapes, "decode_gate_up_silu"),
     (residual_step, residual_shapes, "decode_gemm decode_add_norm"),
     (qkv_step, qkv_shapes, "decode_gemm paged_prep_append")])
 def test_kernels_compile_for_hopper_without_spills(fn, shapes, name, tmp_path, monkeypatch):
-    """Dense decode attention, the cache write (alone, and with q/k-norm and RoPE), the MLP's
-    gate-up kernel, the residual projection's two and the q, k, v GEMM into the fused q/k
-    kernel at the rollout's shapes."""
+    """Dense decode attention, the cache write (alone, and with q/k-norm and RoPE; centroid and
+    Quest caches), the MLP's gate-up kernel, the residual projection's two and the q, k, v GEMM
+    into the fused q/k kernel at the rollout's shapes."""
     report = ptxas_report(fn, *shapes(), tmp_path=tmp_path, monkeypatch=monkeypatch)
     assert [k.split("_", 1)[1] for k in report] == name.split()
     assert fits_h100(report), report

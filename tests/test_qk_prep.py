@@ -47,15 +47,17 @@ def test_prep_matches_float64_numpy():
         np.testing.assert_allclose(np.asarray(got[:2, 0]), want[:2], rtol=0, atol=2e-5)
 
 
-@pytest.mark.parametrize("q_heads", [4, 8])   # 4 + 2 + 2 heads of projections, and 12
-@pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_fused_kernel_matches_the_xla_path(q_heads, dtype):
+# 4 + 2 + 2 heads of projections, and 12; a Quest cache (running min and max, kmin and kmax).
+@pytest.mark.parametrize("q_heads,dtype,scorer", [
+    (4, jnp.float32, "centroid"), (8, jnp.float32, "centroid"), (4, jnp.bfloat16, "centroid"),
+    (8, jnp.bfloat16, "centroid"), (4, jnp.bfloat16, "quest")])
+def test_fused_kernel_matches_the_xla_path(q_heads, dtype, scorer):
     """The steps of ``write_steps``: the kernel's q and every cache array against QKPrep + the
     XLA scatters; and the kernel handed the projections as split-K partial sums (the decode
     GEMM's) bit for bit against the kernel handed their sum."""
     cfg = ModelConfig(vocab_size=16, hidden_size=16, intermediate_size=16, num_hidden_layers=2,
                       num_attention_heads=q_heads, num_key_value_heads=2, head_dim=8)
-    caches, steps = write_steps(cfg, dtype)
+    caches, steps = write_steps(cfg, dtype, scorer=scorer)
     caches["partials"] = caches["pallas"]
     rng = np.random.default_rng(5)
     # bfloat16: the two paths may round a product differently (one ulp at the normed values'

@@ -127,19 +127,15 @@ def append_token(cache: PagedKVCache, layer: int, k: jax.Array, v: jax.Array, po
     ``lengths`` is the caller's to advance.
 
     ``impl``: ``"xla"`` (the reference: scatters), ``"pallas"`` (one kernel,
-    :mod:`pallas_kernels.paged_append_gpu`; the centroid scorer's cache, power-of-two heads and
-    head_dim; interpreted off GPU) or ``"auto"`` (the kernel on a GPU where it applies)."""
+    :mod:`pallas_kernels.paged_append_gpu`; power-of-two heads and head_dim; interpreted off
+    GPU) or ``"auto"`` (the kernel on a GPU where it applies)."""
     p, n = cache.page_size, cache.num_pages
     page, slot = _page_slot(cache, pos, write)       # page n: dropped below
     write = page < n
     if _append_impl(impl, cache) == "pallas":
-        sums, kp, vp, cent = append_token_pallas(
-            page, slot, k, v, cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
-            cache.centroids[layer], layer=layer, page_size=p,
-            interpret=jax.default_backend() != "gpu")
-        return cache.replace(k_pages=_set(cache.k_pages, layer, kp),
-                             v_pages=_set(cache.v_pages, layer, vp),
-                             centroids=_set(cache.centroids, layer, cent), partial_sum=sums)
+        return _with_written(cache, layer, append_token_pallas(
+            page, slot, k, v, *_kernel_cache(cache, layer), layer=layer, page_size=p,
+            interpret=jax.default_backend() != "gpu"))
     heads = jnp.arange(k.shape[1])[:, None]          # [H, 1] against [1, B] indices
     kh = jnp.swapaxes(k, 0, 1).astype(cache.k_pages[layer].dtype)   # [H, B, D]
     vh = jnp.swapaxes(v, 0, 1).astype(cache.v_pages[layer].dtype)
@@ -192,14 +188,12 @@ def prep_and_append_token(cache: PagedKVCache, layer: int, q: jax.Array, k: jax.
         else:
             qkv = jnp.concatenate([q, k.astype(q.dtype), v.astype(q.dtype)], axis=1)
             dtype = None
-        q, sums, kp, vp, cent = prep_append_token_pallas(
+        q, *written = prep_append_token_pallas(
             *_page_slot(cache, pos, write), qkv, prep.q_weight, prep.k_weight, prep.cos[:, 0],
-            prep.sin[:, 0], cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
-            cache.centroids[layer], layer=layer, page_size=cache.page_size, eps=prep.eps,
-            dtype=dtype, interpret=jax.default_backend() != "gpu")
-        return q, cache.replace(k_pages=_set(cache.k_pages, layer, kp),
-                                v_pages=_set(cache.v_pages, layer, vp),
-                                centroids=_set(cache.centroids, layer, cent), partial_sum=sums)
+            prep.sin[:, 0], *_kernel_cache(cache, layer), layer=layer,
+            page_size=cache.page_size, eps=prep.eps, dtype=dtype,
+            interpret=jax.default_backend() != "gpu")
+        return q, _with_written(cache, layer, written)
     q, k = prep(q[:, None], k[:, None])
     return q[:, 0], append_token(cache, layer, k[:, 0], v, pos, write, impl=impl)
 
@@ -213,12 +207,33 @@ def _page_slot(cache: PagedKVCache, pos: jax.Array, write: jax.Array):
     return jnp.where(write, page, n), pos % p
 
 
+def _kernel_cache(cache: PagedKVCache, layer: int) -> tuple:
+    """The write kernels' cache arguments for ``layer``: partial_sum, K and V pages, centroids
+    and, for a Quest cache, (partial_min, partial_max, kmin, kmax)."""
+    quest = () if cache.kmin is None else (cache.partial_min, cache.partial_max,
+                                           cache.kmin[layer], cache.kmax[layer])
+    return (cache.partial_sum, cache.k_pages[layer], cache.v_pages[layer],
+            cache.centroids[layer], quest)
+
+
+def _with_written(cache: PagedKVCache, layer: int, written) -> PagedKVCache:
+    """``cache`` holding the write kernels' outputs (as :func:`_kernel_cache` orders them)."""
+    sums, kp, vp, cent, *quest = written
+    out = cache.replace(k_pages=_set(cache.k_pages, layer, kp),
+                        v_pages=_set(cache.v_pages, layer, vp),
+                        centroids=_set(cache.centroids, layer, cent), partial_sum=sums)
+    if not quest:
+        return out
+    pmin, pmax, kmin, kmax = quest
+    return out.replace(partial_min=pmin, partial_max=pmax, kmin=_set(cache.kmin, layer, kmin),
+                       kmax=_set(cache.kmax, layer, kmax))
+
+
 def _append_impl(impl: str, cache: PagedKVCache, q_heads: int | None = None) -> str:
     if impl not in ("auto", "xla", "pallas"):
         raise ValueError(f"append_token: unknown impl {impl!r}; expected auto, xla or pallas")
     h, _, _, d = cache.k_pages[0].shape
-    why = ("the kernel writes the centroid scorer's cache only" if cache.kmin is not None
-           else kernel_limits(h, d, q_heads))
+    why = kernel_limits(h, d, q_heads)
     if impl == "auto":
         return "pallas" if jax.default_backend() == "gpu" and why is None else "xla"
     if impl == "pallas" and why is not None:
