@@ -26,8 +26,9 @@ Phases (``--phase``; each writes one JSON file and prints its tables):
 
 Bytes per step (for the roofline column): every weight once (embedding counted once, as the
 tied LM head) plus the K/V read: dense, ``context`` tokens per layer; a sparse layer, the
-centroids of the scored pages plus its budget's pages of K and V. Floor = bytes / read ceiling
-(the faster of a sum and a max over a 4 GiB array, measured in the same run).
+centroids of the scored pages (``--scorer quest``: their kmin and kmax) plus its budget's pages
+of K and V. Floor = bytes / read ceiling (the faster of a sum and a max over a 4 GiB array,
+measured in the same run).
 
     XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 PYTHONPATH=. python3 scripts/bench_rollout.py \
         --phase profile --out $OUT/rollout_profile.json
@@ -67,7 +68,7 @@ from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.decode_loop import emit, top_k
 from sparrow_jax.rollout.chunk_time import SlotStepTimes, predict_seconds, static_chunks
-from sparrow_jax.rollout.engine import RolloutConfig, generate, prompt_width
+from sparrow_jax.rollout.engine import RolloutConfig, generate, page_bytes, prompt_width
 from sparrow_jax.rollout.length_mix import KINDS, length_mix
 from sparrow_jax.rollout.profile import fixed_context_batch, time_context
 from sparrow_jax.rollout.refill import run_refill
@@ -96,22 +97,21 @@ jax.monitoring.register_event_duration_secs_listener(_on_event)
 # ------------------------------------------------------------------------------ set-up
 BUCKET = [256]   # RolloutConfig.table_bucket_pages (--table-bucket)
 STEPS = [64]     # RolloutConfig.steps_per_call (--steps)
+SCORER = ["centroid"]   # RolloutConfig.scorer (--scorer)
 
 
 def rollout_config(max_new: int) -> RolloutConfig:
     """Training-style sampling (temperature 1, no EOS), the engine's defaults otherwise."""
     return RolloutConfig(n=1, max_new_tokens=max_new, temperature=1.0, eos_ids=(),
                          table_bucket_pages=BUCKET[0], steps_per_call=STEPS[0],
-                         cache_dtype=jnp.dtype(DTYPE[0]).name)
+                         cache_dtype=jnp.dtype(DTYPE[0]).name, scorer=SCORER[0])
 
 
 def bytes_per_row(cfg: ModelConfig, rc: RolloutConfig, prompt_len: int) -> int:
-    """Device bytes one row of a ``generate`` call holds: its pages (K, V, centroid) and its loop
-    state (tokens, log-probs, top-k, budgets, partial page sums)."""
-    p = rc.page_size
-    per_page = (cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * (2 * p + 1)
-                * jnp.dtype(DTYPE[0]).itemsize)
-    pages = int(pages_needed(np.array([prompt_len]), 1, rc.max_new_tokens, p)[0])
+    """Device bytes one row of a ``generate`` call holds: its pages (K, V, centroid; Quest's
+    kmin and kmax) and its loop state (tokens, log-probs, top-k, budgets, partial page sums)."""
+    per_page = page_bytes(cfg, rc.page_size, DTYPE[0], scorer=rc.scorer)
+    pages = int(pages_needed(np.array([prompt_len]), 1, rc.max_new_tokens, rc.page_size)[0])
     r, k = rc.max_new_tokens, rc.logprob_top_k
     state = 4 * (r + 64) + 4 * r * (2 + 2 * k) + 4 * cfg.num_hidden_layers * (
         cfg.num_key_value_heads * cfg.head_dim)
@@ -243,14 +243,16 @@ def weight_bytes(model) -> int:
 
 
 def kv_bytes(cfg: ModelConfig, batch: int, ctx: int, schedule, dense_layers, page_size=16):
-    """K/V (and centroid) bytes one decode step reads at context ``ctx``, all layers."""
+    """K/V (and page summary) bytes one decode step reads at context ``ctx``, all layers."""
     h, d, e = cfg.num_key_value_heads, cfg.head_dim, jnp.dtype(DTYPE[0]).itemsize
     dense = batch * h * ctx * d * e * 2
     if schedule is None:
         return cfg.num_hidden_layers * dense
     n = -(-ctx // page_size)
     k = int(np.asarray(schedule.budget_pages(np.array([ctx])))[0])
-    sparse = dense if n <= k else batch * h * ((n - 3) * d * e + k * page_size * d * e * 2)
+    summaries = 2 if SCORER[0] == "quest" else 1
+    sparse = dense if n <= k else batch * h * ((n - 3) * d * e * summaries
+                                               + k * page_size * d * e * 2)
     nd = len([x for x in dense_layers if x < cfg.num_hidden_layers])
     return nd * dense + (cfg.num_hidden_layers - nd) * sparse
 
@@ -713,6 +715,8 @@ def main(argv=None):
                     help="refill: the per-prompt caps' mix")
     ap.add_argument("--refill-json", default=None,
                     help="refill-model: a --phase refill run's JSON to check the prediction on")
+    ap.add_argument("--scorer", choices=("centroid", "quest"), default="centroid",
+                    help="the sparse mode's page scorer")
     ap.add_argument("--out", default=None)
     args = ap.parse_args(argv)
     mesh = None
@@ -737,6 +741,7 @@ def main(argv=None):
     DTYPE[0] = jnp.dtype(args.dtype)
     BUCKET[0] = args.table_bucket or None
     STEPS[0] = args.steps
+    SCORER[0] = args.scorer
     model = init_model(cfg, dtype=DTYPE[0], param_dtype=DTYPE[0])
     ceiling = read_ceiling(small=small)
     wbytes = weight_bytes(model)
