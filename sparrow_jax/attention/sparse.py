@@ -66,8 +66,6 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
     """
     if impl not in IMPLS:
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
-    if scorer not in selection.SCORERS:
-        raise ValueError(f"unknown scorer {scorer!r}; expected one of {selection.SCORERS}")
     check_sparse_decode_args(q, k_pages, v_pages, page_table, lengths, budget_pages,
                              page_size=page_size, max_budget_pages=max_budget_pages)
     summ = checked_summaries(k_pages, scorer, centroids, summaries)
