@@ -146,13 +146,13 @@ class GpuDecodeTuning:
                                    score_chunk=chunk)
 
 
-def _quest_scores(queries: jax.Array, group: int, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
-    """queries ``[Rpad, D]`` (rows past ``group`` zero), kmin, kmax ``[C, D]`` float32 -> ``[C]``
-    the largest over the group's heads of ``sum_d max(q_d kmax_d, q_d kmin_d)``."""
-    rows = lax.broadcasted_iota(jnp.int32, queries.shape, 0)
+def _quest_scores(q_ref, h, group: int, kmin: jax.Array, kmax: jax.Array) -> jax.Array:
+    """q ``[Hq, D]`` (this row), kmin, kmax ``[C, D]`` float32 -> ``[C]`` the largest over KV
+    head h's query heads of ``sum_d max(q_d kmax_d, q_d kmin_d)``. Each head's row is loaded
+    on its own (a row taken out of the group's tile is a reduction across warps)."""
     best = None
     for r in range(group):
-        qr = jnp.sum(jnp.where(rows == r, queries, jnp.float32(0)), axis=0)[None, :]
+        qr = q_ref[h * group + r, :].astype(jnp.float32)[None, :]
         s = jnp.sum(jnp.maximum(qr * kmax, qr * kmin), axis=1)
         best = s if best is None else jnp.maximum(best, s)
     return best
@@ -178,7 +178,8 @@ def _score_kernel(q_ref, *refs, page_size, chunk, group):
 
     @pl.when(c * chunk < n - 2)
     def _():
-        queries = group_queries(q_ref, h, group, pow2(group)).astype(jnp.float32)
+        if len(summary_refs) == 1:
+            queries = group_queries(q_ref, h, group, pow2(group)).astype(jnp.float32)
         # Masked loads: slots past the row's pages read nothing.
         phys = plgpu.load(table_ref, mask=eligible, other=jnp.int32(0))
         d = q_ref.shape[1]
@@ -192,7 +193,7 @@ def _score_kernel(q_ref, *refs, page_size, chunk, group):
             qbar = jnp.sum(queries, axis=0) / group
             score = jnp.sum(pages[0] * qbar[None, :], axis=1)
         else:
-            score = _quest_scores(queries, group, *pages)
+            score = _quest_scores(q_ref, h, group, *pages)
         key_ref[...] = jnp.where(eligible, order_key(score), jnp.int32(_INT_MIN))
 
 

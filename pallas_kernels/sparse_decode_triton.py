@@ -7,7 +7,8 @@ loads Triton pipelines. One step is a few launches, planned once by :func:`plan`
 :func:`sparse_decode_triton_checked` through ``jax_triton.triton_call`` (the CPU tests run the
 same plan in Triton's interpreter):
 
-1. scoring (grid rows x chunks), then selection (grid rows);
+1. scoring (grid rows x chunks; page centroids, or Quest's kmin and kmax), then selection
+   (grid rows);
 2. attention, grid rows x S splits, BP pages a step, all query heads of a KV head together,
    bf16 inputs with float32 accumulation;
 3. the S partial results merged in XLA (:func:`pallas_kernels.paged_attend_gpu.merge_splits`).
@@ -31,8 +32,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.paged_attend_gpu import default_splits, merge_splits, pow2
-from pallas_kernels import sparse_decode_gpu
-from pallas_kernels.sparse_decode_gpu import check_launch_settings, checked_args
+from pallas_kernels.sparse_decode_gpu import (check_launch_settings, checked_args,
+                                               default_score_chunk)
+from sparrow_jax.attention.sparse_args import as_summaries
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "
            "'sparrow-jax[triton]' (on a machine with an NVIDIA GPU)")
@@ -45,7 +47,8 @@ class TritonDecodeTuning:
     block_pages: pages per attention step (a power of two, at least 16 tokens).
     splits: parts of each page list attended in parallel (None: one wave of programs,
       :func:`pallas_kernels.paged_attend_gpu.default_splits`).
-    score_chunk: page slots scored per program or loop step (a power of two >= 16).
+    score_chunk: page slots scored per program (a power of two >= 16; None: 64 for
+      centroids, 32 for Quest's two summaries, as the Pallas kernels).
     histogram: find the selection threshold by four 256-bin histogram rounds, else by 32
       one-bit counting rounds.
     score_warps, select_warps, attend_warps: Triton warps of each kernel (the fused kernel
@@ -54,7 +57,7 @@ class TritonDecodeTuning:
     """
     block_pages: int = 4
     splits: int | None = None
-    score_chunk: int = 64
+    score_chunk: int | None = None
     histogram: bool = True
     score_warps: int = 4
     select_warps: int = 8
@@ -80,16 +83,23 @@ class Launch(NamedTuple):
     num_stages: int
 
 
+SUMMARIES = {"centroid": ("centroids",), "quest": ("kmin", "kmax")}
+SCORERS = {len(names): scorer for scorer, names in SUMMARIES.items()}
+
+
 def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_width,
-         max_pages, compute_dtype, tuning: TritonDecodeTuning) -> tuple[Launch, ...]:
+         max_pages, compute_dtype, tuning: TritonDecodeTuning,
+         scorer: str = "centroid") -> tuple[Launch, ...]:
     """The launches of one step. Buffers the first launch reads: ``q`` ``[B, Hq, D]`` (in
-    ``compute_dtype``), ``k``, ``v`` ``[Hkv, N, P, D]``, ``centroids`` ``[Hkv, N, D]``,
+    ``compute_dtype``), ``k``, ``v`` ``[Hkv, N, P, D]``, the scorer's page summaries
+    (``SUMMARIES[scorer]``: ``centroids``, or ``kmin`` and ``kmax``, each ``[Hkv, N, D]``),
     ``table`` ``[B, M]``, ``lengths``, ``budgets`` ``[B]`` int32; the last writes ``o``, ``m``,
     ``l`` (partial results of :func:`pallas_kernels.paged_attend_gpu.merge_splits`'s shapes)."""
     rows = batch * kv_heads
     r = q_heads // kv_heads
     rpad = max(16, pow2(r))
-    m, c = table_width, tuning.score_chunk
+    summaries = SUMMARIES[scorer]
+    m, c = table_width, tuning.score_chunk or default_score_chunk(len(summaries))
     splits = tuning.splits or default_splits(batch, kv_heads, max_pages, tuning.block_pages)
     common = dict(HKV=kv_heads, HQ=q_heads, R=r, RPAD=rpad, D=head_dim, P=page_size,
                   N=pages_total)
@@ -103,8 +113,9 @@ def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_wi
                  "SCALE": head_dim ** -0.5,
                  "IEEE": bool(jnp.dtype(compute_dtype) == jnp.float32)}
     selecting = (
-        Launch("score_kernel", (rows, -(-m // c)), ("q", "centroids", "table", "lengths"),
-               lists[:1], tuple({**common, "M": m, "C": c}.items()), tuning.score_warps, 1),
+        Launch("score_kernel" if scorer == "centroid" else "quest_score_kernel",
+               (rows, -(-m // c)), ("q", *summaries, "table", "lengths"), lists[:1],
+               tuple({**common, "M": m, "C": c}.items()), tuning.score_warps, 1),
         Launch("select_kernel", (rows,), ("keys", "table", "lengths", "budgets"), lists[1:],
                tuple({"HKV": kv_heads, "P": page_size, **select}.items()),
                tuning.select_warps, 1))
@@ -118,6 +129,7 @@ def sparse_decode_triton(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
                          page_size: int = 16, scorer: str = "centroid",
                          centroids: jax.Array | None = None,
+                         summaries: tuple[jax.Array, jax.Array] | None = None,
                          max_budget_pages: int | None = None,
                          tuning: TritonDecodeTuning = TritonDecodeTuning()) -> jax.Array:
     """Block top-k sparse decode attention (docs/design.md, section 3), the Triton kernels.
@@ -126,22 +138,13 @@ def sparse_decode_triton(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     also takes the tuning settings. Arguments and result as for
     :func:`pallas_kernels.sparse_decode_gpu.sparse_decode_pallas` (the same checks and limits),
     ``tuning`` a :class:`TritonDecodeTuning`. GPU only."""
-    (centroids,) = checked_args(
+    summ = checked_args(
         "sparse_decode_triton", q, k_pages, v_pages, page_table, lengths, budget_pages,
-        page_size=page_size, scorer=scorer, centroids=centroids, summaries=None,
-        max_budget_pages=max_budget_pages, block_pages=tuning.block_pages, limits=kernel_limits)
-    return sparse_decode_triton_checked(q, k_pages, v_pages, centroids, page_table, lengths,
+        page_size=page_size, scorer=scorer, centroids=centroids, summaries=summaries,
+        max_budget_pages=max_budget_pages, block_pages=tuning.block_pages)
+    return sparse_decode_triton_checked(q, k_pages, v_pages, summ, page_table, lengths,
                                         budget_pages, page_size=page_size,
                                         max_budget_pages=max_budget_pages, tuning=tuning)
-
-
-def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
-                  block_pages: int | None = None) -> str | None:
-    """Why these kernels cannot run a case (None when they can): they score page centroids
-    only (Quest runs on the Pallas kernels), within the Pallas kernels' shape limits."""
-    if scorer != "centroid":
-        return f"the Triton kernels score page centroids only (scorer='centroid'), got {scorer!r}"
-    return sparse_decode_gpu.kernel_limits(head_dim, page_size, scorer, block_pages)
 
 
 def kernels_module():
@@ -155,31 +158,35 @@ def kernels_module():
     return triton_decode_kernels, jax_triton
 
 
-def sparse_decode_triton_checked(q, k_pages, v_pages, centroids, page_table, lengths,
+def sparse_decode_triton_checked(q, k_pages, v_pages, summaries, page_table, lengths,
                                  budget_pages, *, page_size, max_budget_pages=None,
                                  tuning=TritonDecodeTuning()):
     """:func:`sparse_decode_triton` for arguments its caller has already checked (as
-    ``sparse_decode`` does) and given centroids."""
+    ``sparse_decode`` does) and given page summaries (centroids, or the pair (kmin, kmax)
+    for Quest)."""
     kernels_module()
     if jax.default_backend() != "gpu":
         raise ValueError("impl='triton' runs on a GPU only (jax-triton); the CPU tests run its "
                          "kernels in Triton's interpreter, and impl='pallas' runs interpreted")
-    return _sparse_decode(q, k_pages, v_pages, centroids, page_table.astype(jnp.int32),
+    return _sparse_decode(q, k_pages, v_pages, as_summaries(summaries),
+                          page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size,
                           max_pages=max_budget_pages or page_table.shape[1], tuning=tuning)
 
 
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning"))
-def _sparse_decode(q, k_pages, v_pages, centroids, page_table, lengths, budget_pages, *,
+def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning):
     b, hq, d = q.shape
     hkv, n_total = k_pages.shape[:2]
     cdt = jnp.promote_types(q.dtype, k_pages.dtype)
+    scorer = SCORERS[len(summaries)]
     launches = plan(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, pages_total=n_total,
                     page_size=page_size, table_width=page_table.shape[1], max_pages=max_pages,
-                    compute_dtype=cdt, tuning=tuning)
-    buf = run_launches(launches, dict(q=q.astype(cdt), k=k_pages, v=v_pages, centroids=centroids,
+                    compute_dtype=cdt, tuning=tuning, scorer=scorer)
+    buf = run_launches(launches, dict(q=q.astype(cdt), k=k_pages, v=v_pages,
+                                      **dict(zip(SUMMARIES[scorer], summaries)),
                                       table=page_table, lengths=lengths, budgets=budget_pages))
     return merge_splits(buf["o"], buf["m"], buf["l"], hq // hkv).astype(q.dtype)
 

@@ -4,7 +4,8 @@ jax-triton on a GPU, and what the CPU tests run in Triton's interpreter (``TRITO
 on NumPy arrays.
 
 Rows are (sequence, KV head) pairs, ``row = b * HKV + h``. All arrays are contiguous:
-q ``[B, HQ, D]``, pages ``[HKV, N, P, D]``, centroids ``[HKV, N, D]``, page table ``[B, M]``,
+q ``[B, HQ, D]``, pages ``[HKV, N, P, D]``, page summaries (centroids, or Quest's kmin and
+kmax) ``[HKV, N, D]``, page table ``[B, M]``,
 keys ``[rows, M]`` uint32, page lists ``[rows, MAXP]`` int32, counts ``[rows]``, partial results
 ``[rows, S, RPAD, D]`` / ``[rows, S, RPAD]`` float32. Offsets into the pool are int64: a 64K
 context at batch 64 puts pages past 2**31 elements.
@@ -47,33 +48,58 @@ def _group_mean(q_ptr, b, h, HQ: tl.constexpr, R: tl.constexpr, RPAD: tl.constex
 
 
 @triton.jit
-def _score_slots(qbar, cent_ptr, table_ptr, b, h, slot, n, M: tl.constexpr, N: tl.constexpr,
-                 D: tl.constexpr):
-    """Keys ``[C]`` of the page slots ``slot`` (pages ``1 .. n-3`` may be chosen; other slots
-    get key 0, below every eligible key's)."""
-    eligible = (slot >= 1) & (slot < n - 2)
+def _page_rows(ptr, table_ptr, b, h, slot, eligible, M: tl.constexpr, N: tl.constexpr,
+               D: tl.constexpr):
+    """One page summary ``[C, D]`` float32 of the slots ``slot`` (zero where not eligible)."""
     phys = tl.load(table_ptr + b * M + slot, mask=eligible, other=0).to(tl.int64)
     d = tl.arange(0, D)
-    cent = tl.load(cent_ptr + (h.to(tl.int64) * N + phys)[:, None] * D + d[None, :],
+    return tl.load(ptr + (h.to(tl.int64) * N + phys)[:, None] * D + d[None, :],
                    mask=eligible[:, None], other=0.0).to(tl.float32)
-    # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-    score = tl.sum(cent * qbar[None, :], axis=1)
-    return tl.where(eligible, _order_keys(score), 0)
 
 
 @triton.jit
 def score_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, key_ptr, HKV: tl.constexpr,
                  HQ: tl.constexpr, R: tl.constexpr, RPAD: tl.constexpr, D: tl.constexpr,
                  P: tl.constexpr, M: tl.constexpr, N: tl.constexpr, C: tl.constexpr):
-    """Grid (rows, cdiv(M, C)): keys ``[C]`` of one chunk of one row's page slots."""
+    """Grid (rows, cdiv(M, C)): keys ``[C]`` of one chunk of one row's page slots, scored as
+    ``qbar . centroid`` (pages ``1 .. n-3`` may be chosen; other slots get key 0, below every
+    eligible key's)."""
     row = tl.program_id(0)
     b = row // HKV
     h = row % HKV
     n = tl.cdiv(tl.load(len_ptr + b), P)
     slot = tl.program_id(1) * C + tl.arange(0, C)
-    keys = _score_slots(_group_mean(q_ptr, b, h, HQ, R, RPAD, D), cent_ptr, table_ptr, b, h,
-                        slot, n, M, N, D)
-    tl.store(key_ptr + row * M + slot, keys, mask=slot < M)
+    eligible = (slot >= 1) & (slot < n - 2)
+    qbar = _group_mean(q_ptr, b, h, HQ, R, RPAD, D)
+    cent = _page_rows(cent_ptr, table_ptr, b, h, slot, eligible, M, N, D)
+    # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
+    score = tl.sum(cent * qbar[None, :], axis=1)
+    tl.store(key_ptr + row * M + slot, tl.where(eligible, _order_keys(score), 0),
+             mask=slot < M)
+
+
+@triton.jit
+def quest_score_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, key_ptr,
+                       HKV: tl.constexpr, HQ: tl.constexpr, R: tl.constexpr,
+                       RPAD: tl.constexpr, D: tl.constexpr, P: tl.constexpr, M: tl.constexpr,
+                       N: tl.constexpr, C: tl.constexpr):
+    """:func:`score_kernel` with Quest's bound: the largest over the R query heads of
+    ``sum_d max(q_d kmax_d, q_d kmin_d)``, elementwise in float32."""
+    row = tl.program_id(0)
+    b = row // HKV
+    h = row % HKV
+    n = tl.cdiv(tl.load(len_ptr + b), P)
+    slot = tl.program_id(1) * C + tl.arange(0, C)
+    eligible = (slot >= 1) & (slot < n - 2)
+    kmin = _page_rows(kmin_ptr, table_ptr, b, h, slot, eligible, M, N, D)
+    kmax = _page_rows(kmax_ptr, table_ptr, b, h, slot, eligible, M, N, D)
+    d = tl.arange(0, D)
+    score = tl.full((C,), float("-inf"), tl.float32)
+    for r in tl.static_range(R):
+        qr = tl.load(q_ptr + (b * HQ + h * R + r) * D + d).to(tl.float32)[None, :]
+        score = tl.maximum(score, tl.sum(tl.maximum(qr * kmax, qr * kmin), axis=1))
+    tl.store(key_ptr + row * M + slot, tl.where(eligible, _order_keys(score), 0),
+             mask=slot < M)
 
 
 @triton.jit

@@ -12,8 +12,8 @@ in one run on the GPU:
 * ``kernel``: ``pallas_kernels.sparse_decode_gpu.sparse_decode_pallas``;
 * ``triton`` (``--triton-configs``): ``pallas_kernels.sparse_decode_triton.sparse_decode_triton``
   (needs jax-triton);
-* ``quest`` (``--quest``): each ``kernel`` variant with ``scorer="quest"``, scoring Quest's bound
-  from each page's min and max of keys (two summaries a page);
+* ``quest`` (``--quest``): each ``kernel`` and ``triton`` variant with ``scorer="quest"``,
+  scoring Quest's bound from each page's min and max of keys (two summaries a page);
 
 plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array) and the bytes
 each must move. Every sequence is at the full context, pages scattered in the pool. Each timing
@@ -305,7 +305,8 @@ def main(argv=None):
                     help="how the chained calls are timed: an XLA while loop (its own "
                          "per-iteration cost in each call) and/or written out in one program")
     ap.add_argument("--quest", action="store_true",
-                    help="also the Pallas kernels with scorer='quest'")
+                    help="also the Pallas kernels (and the Triton variants) with "
+                         "scorer='quest'")
     ap.add_argument("--out", default=None, help="JSON file")
     ap.add_argument("--breakdown", action="store_true",
                     help="also time, with the first variant's settings, scoring + selection, "
@@ -401,6 +402,15 @@ def main(argv=None):
                     cases[f"{name}@{budget_tokens}"] = (
                         budget_tokens, fn, (q, k_pages, v_pages, centroids, table, lengths,
                                             budgets), sparse_bytes)
+                for name, tuning in triton_variants if args.quest else ():
+                    fn = functools.partial(
+                        lambda q_, k_, v_, lo_, hi_, t_, l_, bu_, **kw_: sparse_decode_triton(
+                            q_, k_, v_, t_, l_, bu_, summaries=(lo_, hi_), **kw_),
+                        page_size=P, scorer="quest", max_budget_pages=kb, tuning=tuning)
+                    cases[f"quest_{name}@{budget_tokens}"] = (
+                        budget_tokens, fn, (q, k_pages, v_pages, *minmax, table, lengths,
+                                            budgets),
+                        sparse_bytes + b * HKV * (m - 3) * D * 2)
                 if args.breakdown and triton_variants:
                     try:
                         parts = triton_breakdown_cases(triton_variants[0][1], q, k_pages,
@@ -523,7 +533,11 @@ def summarize(rows):
                    f"{best['rel_err_vs_ref']:.1e} " + triton_cells)
     for r in ok:
         if r["impl"].startswith("quest_"):
-            kern = [k for k in ok if k["impl"] == "kernel_" + r["impl"][6:] and all(
+            # The same settings scoring centroids: kernel_X for quest_X, triton_X for
+            # quest_triton_X.
+            base = r["impl"][6:] if r["impl"].startswith("quest_triton_") else (
+                "kernel_" + r["impl"][6:])
+            kern = [k for k in ok if k["impl"] == base and all(
                 k[f] == r[f] for f in ("loop", "context", "batch", "budget_tokens"))]
             d = dense.get((r["context"], r["batch"], r["loop"]), {})
             vs = (f"{r['ms'] / kern[0]['ms']:.2f}x the centroid kernel's time, "

@@ -238,8 +238,9 @@ def test_impl_choice(monkeypatch):
     with pytest.raises(ValueError, match="head_dim"):
         resolve_impl("pallas", "centroid", 96, 16)
     assert resolve_impl("triton", "centroid", 128, 16) == "triton"
-    with pytest.raises(ValueError, match=r"impl='triton'.*centroid"):
-        resolve_impl("triton", "quest", 128, 16)
+    assert resolve_impl("triton", "quest", 128, 16) == "triton"
+    with pytest.raises(ValueError, match=r"impl='triton'.*head_dim"):
+        resolve_impl("triton", "quest", 96, 16)
     with pytest.raises(ValueError, match="unknown scorer"):
         resolve_impl("pallas", "minmax", 128, 16)
 

@@ -19,11 +19,12 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
-                                                 sparse_decode_triton)
+from pallas_kernels.sparse_decode_triton import (SUMMARIES, TritonDecodeTuning, plan,
+                                                 run_launches, sparse_decode_triton)
 from pallas_kernels.paged_attend_gpu import merge_splits
 from sparrow_jax.attention.sparse import sparse_decode
-from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, select_pages_np
+from reference_np import (KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, select_pages_np,
+                          sparse_decode_np)
 from test_sparse_kernel import P, as64, make_case, reference
 
 ON_GPU = jax.default_backend() == "gpu"
@@ -120,17 +121,20 @@ def run_interpreted(launches, buffers):
     return buf
 
 
-def run(q, k, v, cent, table, lengths, budgets, *, max_pages=None,
+def run(q, k, v, summaries, table, lengths, budgets, *, max_pages=None,
         tuning=TritonDecodeTuning()):
-    """Every buffer of one step (page lists, partial results) and its output ``[B, Hq, D]``."""
+    """Every buffer of one step (page lists, partial results) and its output ``[B, Hq, D]``;
+    ``summaries`` the centroids, or Quest's pair (kmin, kmax)."""
     b, hq, d = q.shape
     hkv, n_total = k.shape[:2]
     max_pages = max_pages or table.shape[1]
     cdt = jnp.promote_types(q.dtype, k.dtype)
+    scorer = "quest" if isinstance(summaries, tuple) else "centroid"
     launches = plan(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, pages_total=n_total,
                     page_size=P, table_width=table.shape[1], max_pages=max_pages,
-                    compute_dtype=cdt, tuning=tuning)
-    buffers = dict(q=jnp.asarray(q).astype(cdt), k=k, v=v, centroids=cent,
+                    compute_dtype=cdt, tuning=tuning, scorer=scorer)
+    named = zip(SUMMARIES[scorer], summaries if scorer == "quest" else (summaries,))
+    buffers = dict(q=jnp.asarray(q).astype(cdt), k=k, v=v, **dict(named),
                    table=jnp.asarray(table, jnp.int32), lengths=jnp.asarray(lengths, jnp.int32),
                    budgets=jnp.asarray(budgets, jnp.int32))
     buf = (jax.jit(lambda bufs: run_launches(launches, bufs))(buffers) if ON_GPU
@@ -171,6 +175,29 @@ def lists(buf):
 def test_matches_float64_reference(r, d, dtype):
     rng = np.random.default_rng(r * 1000 + d)
     check(rng, lengths=KERNEL_LENGTHS, budgets=KERNEL_BUDGETS, hkv=2, r=r, d=d, dtype=dtype)
+
+
+@kernels_run
+@pytest.mark.parametrize("r,d,dtype", [(5, 128, jnp.float32), (2, 64, jnp.bfloat16)])
+def test_quest_matches_float64_reference(r, d, dtype):
+    """scorer="quest": each page's bound from its elementwise min and max of keys, the largest
+    over the group's heads; lists page for page and output against the float64 reference,
+    which scores from the keys themselves."""
+    rng = np.random.default_rng(r * 100 + d)
+    q, k, v, _, table, lengths = make_case(rng, lengths=KERNEL_LENGTHS, hkv=2, r=r, d=d,
+                                           dtype=dtype)
+    budgets = jnp.asarray(KERNEL_BUDGETS, jnp.int32)
+    minmax = (jnp.min(k, axis=2), jnp.max(k, axis=2))
+    buf, out = run(q, k, v, minmax, table, lengths, budgets)
+    want, pages = sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table),
+                                   np.asarray(lengths), np.asarray(budgets), page_size=P,
+                                   scorer="quest", return_pages=True)
+    assert lists(buf) == pages
+    assert_kernel_close(as64(out), want, low_precision=dtype == jnp.bfloat16)
+    if ON_GPU:
+        public = sparse_decode(q, k, v, table, lengths, budgets, page_size=P, scorer="quest",
+                               impl="triton")
+        assert_kernel_close(as64(public), want, low_precision=dtype == jnp.bfloat16)
 
 
 @kernels_run
@@ -270,14 +297,16 @@ from pallas_kernels.sparse_decode_triton import TritonDecodeTuning, plan
 from ptxas import ptxas_usage
 
 TYPES = dict(bfloat16="bf16", float32="fp32", int32="i32", uint32="u32")
-DTYPES = dict(q="bfloat16", k="bfloat16", v="bfloat16", centroids="bfloat16", table="int32",
-              lengths="int32", budgets="int32", keys="uint32", phys="int32", slots="int32",
-              count="int32")
+DTYPES = dict(q="bfloat16", k="bfloat16", v="bfloat16", centroids="bfloat16", kmin="bfloat16",
+              kmax="bfloat16", table="int32", lengths="int32", budgets="int32", keys="uint32",
+              phys="int32", slots="int32", count="int32")
 out = {}
 # Issue 5's shape: batch 32 at 32K tokens, budget 128 pages, GQA 32/8, head_dim 128.
-for launch in plan(batch=32, q_heads=32, kv_heads=8, head_dim=128, pages_total=65600,
-                   page_size=16, table_width=2049, max_pages=128, compute_dtype="bfloat16",
-                   tuning=TritonDecodeTuning()):
+shape = dict(batch=32, q_heads=32, kv_heads=8, head_dim=128, pages_total=65600, page_size=16,
+             table_width=2049, max_pages=128, compute_dtype="bfloat16",
+             tuning=TritonDecodeTuning())
+launches = {l.kernel: l for scorer in ("centroid", "quest") for l in plan(**shape, scorer=scorer)}
+for launch in launches.values():
     fn = getattr(kernels, launch.kernel)
     args = [(n, DTYPES[n]) for n in launch.inputs] + [(n, d) for n, _, d in launch.outputs]
     consts = dict(launch.constants)
@@ -295,9 +324,9 @@ print(json.dumps(out))
 @pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                     reason="needs the triton package (its compiler and ptxas; no GPU needed)")
 def test_kernels_compile_for_hopper_without_spills(tmp_path):
-    """Every launch compiles for sm_90 at issue 5's shape (no GPU needed: Triton's compiler
-    and its bundled ptxas) and keeps its values in registers: a spill would add local-memory
-    traffic to loops whose time is their reads."""
+    """Every launch (both scorers) compiles for sm_90 at issue 5's shape (no GPU needed:
+    Triton's compiler and its bundled ptxas) and keeps its values in registers: a spill would
+    add local-memory traffic to loops whose time is their reads."""
     import json
     import subprocess
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
@@ -311,5 +340,5 @@ def test_kernels_compile_for_hopper_without_spills(tmp_path):
                          text=True, timeout=600)
     assert res.returncode == 0, res.stderr[-3000:]
     got = json.loads(res.stdout.strip().splitlines()[-1])
-    assert set(got) == {"score_kernel", "select_kernel", "attend_kernel"}
+    assert set(got) == {"score_kernel", "quest_score_kernel", "select_kernel", "attend_kernel"}
     assert all(k["spilled"] == 0 and 0 < k["regs"] <= 255 for k in got.values()), got

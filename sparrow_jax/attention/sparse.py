@@ -50,9 +50,9 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
         page size 16/32/64, head_dim a multiple of 128, else ValueError; run in TPU interpret
         mode off TPU), ``"triton"`` (the Triton kernels of
         :mod:`pallas_kernels.sparse_decode_triton` through jax-triton, GPU only: the
-        ``triton`` extra; limits as ``"pallas"``, centroid scorer only), ``"auto"`` (the
-        kernels for the platform where they apply, else the reference: see
-        :func:`resolve_impl`). The Pallas kernels run both scorers.
+        ``triton`` extra; limits as ``"pallas"``), ``"auto"`` (the kernels for the
+        platform where they apply, else the reference: see :func:`resolve_impl`). Every
+        kernel set runs both scorers.
       centroids: ``[Hkv, N, D]`` page centroids for ``scorer="centroid"``, computed from the pages
         when None. Only full pages' centroids are read.
       summaries: ``(kmin, kmax)``, each ``[Hkv, N, D]``, for ``scorer="quest"``; computed when None.
@@ -83,7 +83,7 @@ def sparse_decode(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array, page_tab
     chosen = resolve_impl(impl, scorer, q.shape[-1], page_size)
     if chosen == "triton":
         return sparse_decode_triton.sparse_decode_triton_checked(
-            q, k_pages, v_pages, summ[0], page_table, lengths, budget_pages,
+            q, k_pages, v_pages, summ, page_table, lengths, budget_pages,
             page_size=page_size, max_budget_pages=max_budget_pages)
     if chosen == "pallas":
         return sparse_decode_pallas_checked(
@@ -118,7 +118,7 @@ def resolve_impl(impl: str, scorer: str, head_dim: int, page_size: int,
         raise ValueError(f"unknown impl {impl!r}; expected one of {IMPLS}")
     platform = platform or jax.default_backend()
     why = {"pallas": kernel_limits(head_dim, page_size, scorer),
-           "triton": sparse_decode_triton.kernel_limits(head_dim, page_size, scorer),
+           "triton": kernel_limits(head_dim, page_size, scorer),
            "pallas_tpu": sparse_decode_tpu.kernel_limits(head_dim, page_size, scorer)}
     if impl == "auto":
         impl = {"gpu": "pallas", "tpu": "pallas_tpu"}.get(platform, "reference")
