@@ -117,12 +117,19 @@ def parse_triton_variant(spec):
 
 
 def triton_breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budgets, kb,
-                           b, m):
-    """The Triton step's parts timed alone: its scoring and selection launches, and its
-    attention launch + merge from given lists (chained as in :func:`breakdown_cases`)."""
-    launches = plan(batch=b, q_heads=HQ, kv_heads=HKV, head_dim=D, pages_total=k_pages.shape[1],
-                    page_size=P, table_width=m, max_pages=kb, compute_dtype=q.dtype,
-                    tuning=tuning)
+                           b, m, minmax=None):
+    """The Triton step's parts timed alone: its scoring launch, its scoring and selection
+    launches, and its attention launch + merge from given lists (chained as in
+    :func:`breakdown_cases`); with ``minmax``, Quest's scoring launch too."""
+    shape = dict(batch=b, q_heads=HQ, kv_heads=HKV, head_dim=D, pages_total=k_pages.shape[1],
+                 page_size=P, table_width=m, max_pages=kb, compute_dtype=q.dtype, tuning=tuning)
+    launches = plan(**shape)
+
+    def score_only(launch, names):
+        def run(q_, *a):
+            buf = run_launches([launch], dict(q=q_, **dict(zip(names, a))))
+            return q_ + (buf["keys"][:, 1].sum() == 1).astype(q_.dtype)
+        return run
 
     def select_only(q_, c_, t_, l_, bu_):
         buf = run_launches(launches[:-1], dict(q=q_, centroids=c_, table=t_, lengths=l_,
@@ -138,7 +145,16 @@ def triton_breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, length
                                                count=co_, lengths=l_))
         return merge_splits(buf["o"], buf["m"], buf["l"], HQ // HKV).astype(q_.dtype)
 
-    return {"tpart_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
+    parts = {}
+    if minmax is not None:
+        parts["tpart_score_quest"] = (
+            None, score_only(plan(**shape, scorer="quest")[0], ("kmin", "kmax", "table",
+                                                                 "lengths")),
+            (q, *minmax, table, lengths), 2 * b * HKV * (m - 3) * D * 2)
+    return {**parts,
+            "tpart_score": (None, score_only(launches[0], ("centroids", "table", "lengths")),
+                            (q, centroids, table, lengths), b * HKV * (m - 3) * D * 2),
+            "tpart_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
                                    b * HKV * (m - 3) * D * 2),
             "tpart_attend": (None, attend_only, (q, k_pages, v_pages, lists["phys"],
                                                  lists["slots"], lists["count"], lengths),
@@ -146,10 +162,12 @@ def triton_breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, length
 
 
 def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budgets, kb, b, m,
-                    interpret):
+                    interpret, minmax=None):
     """Parts of the kernel timed alone (settings of ``tuning``): scoring + selection, scoring,
-    selection from given keys, attention + merge from given lists. Each next call's input
-    depends on the last output (through a zero), so the calls stay chained."""
+    selection from given keys, attention + merge from given lists; with ``minmax``, Quest's
+    scoring too. Each next call's input depends on the last output (through a zero), so the
+    calls stay chained."""
+    given = tuning
     tuning = tuning.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
     mpad, kpad = list_sizes(m, kb, tuning)
     table_pad = jnp.pad(table, ((0, 0), (0, mpad - m)))
@@ -207,7 +225,18 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
     lone = count.at[1:].set(1)
     lone_bytes = HKV * kb * P * D * 2 * 2
 
-    return {"part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
+    parts = {}
+    if minmax is not None:
+        quest = given.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb, summaries=2)
+
+        def score_quest(q_, lo_, hi_, t_, l_):
+            keys = score_keys(q_, (lo_, hi_), t_, l_, page_size=P, tuning=quest,
+                              interpret=interpret)
+            return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
+        parts["part_score_quest"] = (None, score_quest, (q, *minmax, table_pad, lengths),
+                                     2 * centroid_bytes)
+    return {**parts,
+            "part_score_select": (None, select_only, (q, centroids, table, lengths, budgets),
                                   centroid_bytes),
             "part_score": (None, score_only, (q, centroids, table_pad, lengths),
                            centroid_bytes),
@@ -415,14 +444,15 @@ def main(argv=None):
                     try:
                         parts = triton_breakdown_cases(triton_variants[0][1], q, k_pages,
                                                        v_pages, centroids, table, lengths,
-                                                       budgets, kb, b, m)
+                                                       budgets, kb, b, m, minmax)
                         cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
                     except Exception as e:  # the lists' launch failing is a result too
                         print(f"triton breakdown ctx={ctx} b={b}: FAILED {e!r}"[:2000],
                               flush=True)
                 if args.breakdown and variants:
                     parts = breakdown_cases(variants[0][1], q, k_pages, v_pages, centroids,
-                                            table, lengths, budgets, kb, b, m, args.interpret)
+                                            table, lengths, budgets, kb, b, m, args.interpret,
+                                            minmax)
                     cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
                     # Scoring alone with each other variant's settings.
                     for name, tuning in variants[1:]:
