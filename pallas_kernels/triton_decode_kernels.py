@@ -48,13 +48,31 @@ def _group_mean(q_ptr, b, h, HQ: tl.constexpr, R: tl.constexpr, RPAD: tl.constex
 
 
 @triton.jit
-def _page_rows(ptr, table_ptr, b, h, slot, eligible, M: tl.constexpr, N: tl.constexpr,
-               D: tl.constexpr):
-    """One page summary ``[C, D]`` float32 of the slots ``slot`` (zero where not eligible)."""
-    phys = tl.load(table_ptr + b * M + slot, mask=eligible, other=0).to(tl.int64)
+def _chunk(len_ptr, HKV: tl.constexpr, P: tl.constexpr, C: tl.constexpr):
+    """(row, b, h, slot ``[C]``, eligible ``[C]``) of a scoring program, grid (rows,
+    cdiv(M, C)): pages ``1 .. n-3`` may be chosen."""
+    row = tl.program_id(0)
+    b = row // HKV
+    n = tl.cdiv(tl.load(len_ptr + b), P)
+    slot = tl.program_id(1) * C + tl.arange(0, C)
+    return row, b, row % HKV, slot, (slot >= 1) & (slot < n - 2)
+
+
+@triton.jit
+def _page_rows(ptr, h, phys, eligible, N: tl.constexpr, D: tl.constexpr):
+    """One page summary ``[C, D]`` float32 of the physical pages ``phys`` (int64; zero where
+    not eligible)."""
     d = tl.arange(0, D)
     return tl.load(ptr + (h.to(tl.int64) * N + phys)[:, None] * D + d[None, :],
                    mask=eligible[:, None], other=0.0).to(tl.float32)
+
+
+@triton.jit
+def _store_keys(key_ptr, row, slot, eligible, score, M: tl.constexpr):
+    """Keys of the chunk's slots; slots that may not be chosen get key 0, below every
+    eligible key's."""
+    tl.store(key_ptr + row * M + slot, tl.where(eligible, _order_keys(score), 0),
+             mask=slot < M)
 
 
 @triton.jit
@@ -62,20 +80,13 @@ def score_kernel(q_ptr, cent_ptr, table_ptr, len_ptr, key_ptr, HKV: tl.constexpr
                  HQ: tl.constexpr, R: tl.constexpr, RPAD: tl.constexpr, D: tl.constexpr,
                  P: tl.constexpr, M: tl.constexpr, N: tl.constexpr, C: tl.constexpr):
     """Grid (rows, cdiv(M, C)): keys ``[C]`` of one chunk of one row's page slots, scored as
-    ``qbar . centroid`` (pages ``1 .. n-3`` may be chosen; other slots get key 0, below every
-    eligible key's)."""
-    row = tl.program_id(0)
-    b = row // HKV
-    h = row % HKV
-    n = tl.cdiv(tl.load(len_ptr + b), P)
-    slot = tl.program_id(1) * C + tl.arange(0, C)
-    eligible = (slot >= 1) & (slot < n - 2)
+    ``qbar . centroid``."""
+    row, b, h, slot, eligible = _chunk(len_ptr, HKV, P, C)
     qbar = _group_mean(q_ptr, b, h, HQ, R, RPAD, D)
-    cent = _page_rows(cent_ptr, table_ptr, b, h, slot, eligible, M, N, D)
+    phys = tl.load(table_ptr + b * M + slot, mask=eligible, other=0).to(tl.int64)
+    cent = _page_rows(cent_ptr, h, phys, eligible, N, D)
     # Elementwise products and a float32 sum: exact float32 arithmetic, never TF32.
-    score = tl.sum(cent * qbar[None, :], axis=1)
-    tl.store(key_ptr + row * M + slot, tl.where(eligible, _order_keys(score), 0),
-             mask=slot < M)
+    _store_keys(key_ptr, row, slot, eligible, tl.sum(cent * qbar[None, :], axis=1), M)
 
 
 @triton.jit
@@ -85,21 +96,16 @@ def quest_score_kernel(q_ptr, kmin_ptr, kmax_ptr, table_ptr, len_ptr, key_ptr,
                        N: tl.constexpr, C: tl.constexpr):
     """:func:`score_kernel` with Quest's bound: the largest over the R query heads of
     ``sum_d max(q_d kmax_d, q_d kmin_d)``, elementwise in float32."""
-    row = tl.program_id(0)
-    b = row // HKV
-    h = row % HKV
-    n = tl.cdiv(tl.load(len_ptr + b), P)
-    slot = tl.program_id(1) * C + tl.arange(0, C)
-    eligible = (slot >= 1) & (slot < n - 2)
-    kmin = _page_rows(kmin_ptr, table_ptr, b, h, slot, eligible, M, N, D)
-    kmax = _page_rows(kmax_ptr, table_ptr, b, h, slot, eligible, M, N, D)
+    row, b, h, slot, eligible = _chunk(len_ptr, HKV, P, C)
+    phys = tl.load(table_ptr + b * M + slot, mask=eligible, other=0).to(tl.int64)
+    kmin = _page_rows(kmin_ptr, h, phys, eligible, N, D)
+    kmax = _page_rows(kmax_ptr, h, phys, eligible, N, D)
     d = tl.arange(0, D)
     score = tl.full((C,), float("-inf"), tl.float32)
     for r in tl.static_range(R):
         qr = tl.load(q_ptr + (b * HQ + h * R + r) * D + d).to(tl.float32)[None, :]
         score = tl.maximum(score, tl.sum(tl.maximum(qr * kmax, qr * kmin), axis=1))
-    tl.store(key_ptr + row * M + slot, tl.where(eligible, _order_keys(score), 0),
-             mask=slot < M)
+    _store_keys(key_ptr, row, slot, eligible, score, M)
 
 
 @triton.jit
