@@ -51,8 +51,7 @@ class TritonDecodeTuning:
       centroids, 32 for Quest's two summaries, as the Pallas kernels).
     histogram: find the selection threshold by four 256-bin histogram rounds, else by 32
       one-bit counting rounds.
-    score_warps, select_warps, attend_warps: Triton warps of each kernel (the fused kernel
-      takes select_warps).
+    score_warps, select_warps, attend_warps: Triton warps of each kernel.
     attend_stages: Triton's pipelining depth of the attention loop.
     """
     block_pages: int = 4
