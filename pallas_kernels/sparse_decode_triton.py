@@ -83,7 +83,6 @@ class Launch(NamedTuple):
 
 
 SUMMARIES = {"centroid": ("centroids",), "quest": ("kmin", "kmax")}
-SCORERS = {len(names): scorer for scorer, names in SUMMARIES.items()}
 
 
 def plan(*, batch, q_heads, kv_heads, head_dim, pages_total, page_size, table_width,
@@ -180,7 +179,7 @@ def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_p
     b, hq, d = q.shape
     hkv, n_total = k_pages.shape[:2]
     cdt = jnp.promote_types(q.dtype, k_pages.dtype)
-    scorer = SCORERS[len(summaries)]
+    scorer = "centroid" if len(summaries) == 1 else "quest"   # as_summaries' rule
     launches = plan(batch=b, q_heads=hq, kv_heads=hkv, head_dim=d, pages_total=n_total,
                     page_size=page_size, table_width=page_table.shape[1], max_pages=max_pages,
                     compute_dtype=cdt, tuning=tuning, scorer=scorer)
