@@ -15,11 +15,16 @@ in one run on the GPU:
 * ``quest`` (``--quest``): each ``kernel`` and ``triton`` variant with ``scorer="quest"``,
   scoring Quest's bound from each page's min and max of keys (two summaries a page);
 
-plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array) and the bytes
+plus a read-bandwidth ceiling (the faster of a sum and a max over a 4 GiB array; with
+``--loops marginal``, also timed that way for the marginal rows) and the bytes
 each must move. Every sequence is at the full context, pages scattered in the pool. Each timing
 runs ``--chain`` calls in one jitted loop whose next query is the previous output (XLA can
-neither merge nor skip them), after warm-up; the median of ``--repeats`` runs, per call. Each
-sparse output is checked against the XLA reference (float32 math) before it is timed.
+neither merge nor skip them), after warm-up; the median of ``--repeats`` runs, per call. With
+``--loops marginal``, the time a call adds to a long chain instead: two unrolled chains (4x
+apart) and the difference of their medians per call, which leaves out what each timed program
+costs once (its dispatch, graph launch and the wait for its end, ~0.3 ms on an H100: 15 us a
+call in a chain of 20). Each sparse output is checked against the XLA reference (float32
+math) before it is timed.
 
     PYTHONPATH=. python3 scripts/bench_decode.py --out $OUT/bench_decode.json
 
@@ -50,8 +55,8 @@ from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, pad_h
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
-from sparrow_jax.benchmarking import (chained, contiguous_attention, median_seconds,
-                                     profile_calls, read_ceiling)
+from sparrow_jax.benchmarking import (chained, contiguous_attention, marginal_seconds,
+                                     median_seconds, profile_calls, read_ceiling)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_pallas_jax
 from sparrow_jax.attention.sparse import sparse_decode
 from sparrow_jax.decode_bench import DecodeShape, random_case
@@ -330,9 +335,12 @@ def main(argv=None):
                     help="also trace each kernel variant's chained calls once: its device time "
                          "per call by kernel (CUDA graphs off for the whole run, as in "
                          "scripts/profile_step.py: compare times within the run)")
-    ap.add_argument("--loops", nargs="+", choices=("fori", "unrolled"), default=["fori"],
+    ap.add_argument("--loops", nargs="+", choices=("fori", "unrolled", "marginal"),
+                    default=["fori"],
                     help="how the chained calls are timed: an XLA while loop (its own "
-                         "per-iteration cost in each call) and/or written out in one program")
+                         "per-iteration cost in each call), written out in one program, and/or "
+                         "marginal: what a call adds to a long chain (two unrolled chains, "
+                         "--chain and 4x --chain calls), without the program's once-a-run cost")
     ap.add_argument("--quest", action="store_true",
                     help="also the Pallas kernels (and the Triton variants) with "
                          "scorer='quest'")
@@ -355,6 +363,11 @@ def main(argv=None):
           flush=True)
     ceiling = read_ceiling(small=args.interpret)
     print(f"read ceiling {ceiling:.0f} GB/s", flush=True)
+    # Rates of marginal times against a ceiling timed the same way.
+    ceilings = {loop: ceiling for loop in args.loops}
+    if "marginal" in args.loops:
+        ceilings["marginal"] = read_ceiling(small=args.interpret, marginal=True)
+        print(f"read ceiling, marginal {ceilings['marginal']:.0f} GB/s", flush=True)
     variants = [parse_variant(c) for c in args.kernel_configs.split(",") if c]
     triton_variants = [parse_triton_variant(c) for c in args.triton_configs.split(",") if c]
     rows = []
@@ -483,9 +496,11 @@ def main(argv=None):
                             print(f"{name} ctx={ctx} b={b}: rel err {err:.1e}; page sets differ "
                                   f"from the reference in {nbad}/{rows_} rows, largest relative "
                                   f"score gap {gap:.1e}", flush=True)
-                    runs = {loop: chained(fn, args.chain, unroll=loop == "unrolled")
+                    runs = {loop: chained(fn, args.chain, unroll=loop != "fori")
                             for loop in args.loops}
-                    times = {loop: median_seconds(run, fn_args, args.repeats) / args.chain
+                    times = {loop: (marginal_seconds(fn, fn_args, args.chain, args.repeats)
+                                    if loop == "marginal" else
+                                    median_seconds(run, fn_args, args.repeats) / args.chain)
                              for loop, run in runs.items()}
                 except Exception as e:  # a variant that fails to build is a result too
                     msg = f"{type(e).__name__}: {e}"
@@ -498,7 +513,8 @@ def main(argv=None):
                                                     else None),
                                context=ctx, batch=b, loop=loop,
                                ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
-                               frac_ceiling=nbytes / t / 1e9 / ceiling, rel_err_vs_ref=err)
+                               frac_ceiling=nbytes / t / 1e9 / ceilings[loop],
+                               rel_err_vs_ref=err)
                     if args.trace and name.startswith("kernel_"):
                         lines = profile_calls(runs[loop], fn_args, args.chain)
                         busiest = max(lines.values(), key=lambda entry: entry["total_us"])
@@ -515,8 +531,11 @@ def main(argv=None):
     if args.out:
         with open(args.out, "w") as f:
             json.dump(dict(device=dev.device_kind, jax=jax.__version__,
-                           read_ceiling_gb_s=ceiling, argv=sys.argv[1:], rows=rows), f, indent=1)
-    print(f"\nread ceiling {ceiling:.0f} GB/s; device {dev.device_kind}")
+                           read_ceiling_gb_s=ceiling,
+                           read_ceiling_marginal_gb_s=ceilings.get("marginal"),
+                           argv=sys.argv[1:], rows=rows), f, indent=1)
+    print(f"\nread ceiling {ceiling:.0f} GB/s (marginal: "
+          f"{ceilings.get('marginal') or float('nan'):.0f}); device {dev.device_kind}")
     print("\n".join(table_rows))
     return 0
 

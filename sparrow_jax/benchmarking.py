@@ -2,9 +2,10 @@
 
 XLA merges repeated identical calls inside one jit, so a timed loop chains them: each call takes
 the previous call's output as its input (:func:`chained`). Times are medians of wall-clock runs
-after a compile and a warm-up run (:func:`median_seconds`). Where the time goes, by kernel: a
-``jax.profiler`` trace summed per event name (:func:`device_events`, :func:`summarize_events`,
-:func:`profile_calls`).
+after a compile and a warm-up run (:func:`median_seconds`); what one call adds to a long chain,
+without what the timed program costs once, comes from two chain lengths
+(:func:`marginal_seconds`). Where the time goes, by kernel: a ``jax.profiler`` trace summed per
+event name (:func:`device_events`, :func:`summarize_events`, :func:`profile_calls`).
 """
 
 from __future__ import annotations
@@ -37,6 +38,26 @@ def chained(fn, chain: int, unroll: bool = False):
     return run
 
 
+def slope_seconds(time_chain, chain: int, factor: int = 4) -> float:
+    """Seconds one call adds to a chain of calls: ``(time_chain(factor * chain) -
+    time_chain(chain)) / ((factor - 1) * chain)``, where ``time_chain(n)`` is the wall time of
+    a program of ``n`` chained calls. That time is n calls plus what the program costs once
+    (its dispatch, its CUDA graph's launch, the wait for its end: ~0.3 ms on an H100, 15 us a
+    call in a chain of 20); the difference leaves the once-a-program part out, as a long loop
+    of calls amortises it."""
+    if factor < 2:
+        raise ValueError(f"factor={factor}: the longer chain must be at least twice the shorter")
+    return (time_chain(factor * chain) - time_chain(chain)) / ((factor - 1) * chain)
+
+
+def marginal_seconds(fn, args, chain: int, repeats: int, factor: int = 4) -> float:
+    """:func:`slope_seconds` of ``fn``'s calls chained as :func:`chained` chains them, unrolled
+    (an XLA while loop would add its own per-iteration cost), each chain's time the median of
+    ``repeats`` runs."""
+    return slope_seconds(lambda n: median_seconds(chained(fn, n, unroll=True), args, repeats),
+                         chain, factor)
+
+
 def write_record(path: str | None, **fields) -> dict:
     """The raw JSON of a benchmark run: the device, jax's version, the date and the command
     line, then ``fields``; written to ``path`` when given. Returns the record."""
@@ -61,14 +82,22 @@ def median_seconds(run, args, repeats: int) -> float:
     return statistics.median(times)
 
 
-def read_ceiling(repeats: int = 10, small: bool = False) -> float:
+def read_ceiling(repeats: int = 10, small: bool = False, marginal: bool = False) -> float:
     """GB/s of the faster of a sum and a max over a 4 GiB float32 array (4 MiB if ``small``,
-    for CPU smoke runs): the device's read bandwidth as XLA reaches it."""
+    for CPU smoke runs): the device's read bandwidth as XLA reaches it. ``marginal``: timed as
+    :func:`marginal_seconds` times a call (each a reduction of ``x + s``, s the last result
+    scaled down, so that the calls chain while XLA still reads x once a call), for rates set
+    beside kernel times taken that way."""
     x = jax.random.normal(jax.random.key(0), (1 << (20 if small else 30),), jnp.float32)
     best = 0.0
     for reduce in (jnp.sum, jnp.max):
-        f = jax.jit(reduce)
-        best = max(best, x.nbytes / median_seconds(f, (x,), repeats) / 1e9)
+        if marginal:
+            def call(s, x_, reduce=reduce):
+                return reduce(x_ + s) * 1e-9
+            seconds = marginal_seconds(call, (jnp.float32(0), x), 4, repeats)
+        else:
+            seconds = median_seconds(jax.jit(reduce), (x,), repeats)
+        best = max(best, x.nbytes / seconds / 1e9)
     del x
     return best
 
@@ -105,9 +134,10 @@ def contiguous_attention(q: jax.Array, k: jax.Array, v: jax.Array,
     return out.reshape(b, hq, d).astype(q.dtype)
 
 
-def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
-    """The perfetto trace under ``trace_dir`` -> {trace line: {event name: [durations, us]}}
-    for the device's lines (all lines where the trace has no device, as on CPU)."""
+def device_timeline(trace_dir: str) -> dict[str, list[tuple[float, float, str]]]:
+    """The perfetto trace under ``trace_dir`` -> {trace line: [(start, duration, event name)]
+    in order of start, us} for the device's lines (all lines where the trace has no device,
+    as on CPU)."""
     paths = glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"), recursive=True)
     if not paths:
         raise FileNotFoundError(f"{trace_dir}: no perfetto_trace.json.gz (did the trace run?)")
@@ -120,14 +150,36 @@ def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
         elif e.get("ph") == "M" and e.get("name") == "thread_name":
             thread[e["pid"], e["tid"]] = e["args"]["name"]
     devices = {pid for pid, name in process.items() if name.startswith("/device:")}
-    lines: dict[str, dict[str, list[float]]] = collections.defaultdict(
-        lambda: collections.defaultdict(list))
+    lines: dict[str, list[tuple[float, float, str]]] = collections.defaultdict(list)
     for e in events:
         if e.get("ph") != "X" or (devices and e["pid"] not in devices):
             continue
         line = f"{process.get(e['pid'], e['pid'])} {thread.get((e['pid'], e.get('tid')), '')}"
-        lines[line.strip()][e["name"]].append(float(e.get("dur", 0.0)))
+        lines[line.strip()].append((float(e["ts"]), float(e.get("dur", 0.0)), e["name"]))
+    return {line: sorted(evs) for line, evs in lines.items()}
+
+
+def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
+    """:func:`device_timeline` by event name: {trace line: {event name: [durations, us]}}."""
+    lines = {}
+    for line, evs in device_timeline(trace_dir).items():
+        names = lines[line] = collections.defaultdict(list)
+        for _, dur, name in evs:
+            names[name].append(dur)
     return lines
+
+
+def launch_gaps(events: list[tuple[float, float, str]], calls: int) -> dict:
+    """One line of :func:`device_timeline` -> its span (first start to last end) and busy
+    time (durations summed), in us per call, and the gap between each event's end and the
+    next one's start, per pair of names: {"a -> b": (median, min, max) us}. A gap below zero
+    is an overlap in the trace's clock."""
+    gaps = collections.defaultdict(list)
+    for (t0, d0, a), (t1, _, b) in zip(events, events[1:]):
+        gaps[f"{a} -> {b}"].append(t1 - (t0 + d0))
+    span = events[-1][0] + events[-1][1] - events[0][0] if events else 0.0
+    return dict(span_us=span / calls, busy_us=sum(d for _, d, _ in events) / calls,
+                gaps_us={k: (statistics.median(g), min(g), max(g)) for k, g in gaps.items()})
 
 
 def summarize_events(lines, calls: int, top: int) -> dict:

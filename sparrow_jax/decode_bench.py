@@ -3,15 +3,19 @@ measures it (``scripts/bench_decode.py`` holds the kernel variants and their bre
 
 A case is every sequence at the full context with its pages scattered in the pool (a random
 permutation) and page "topics" in the keys, so that selection is far from uniform, as in real
-keys. Each implementation runs ``chain`` calls in one jitted loop whose next query is the
-previous output (XLA can neither merge nor skip them); the median of ``repeats`` runs, per
-call. The sparse step's output is checked against the XLA reference before it is timed.
+keys. Each implementation is timed by what one call adds to a chain of calls whose next query
+is the previous output (XLA can neither merge nor skip them): chains of ``chain`` and 4 x
+``chain`` calls, the difference of their medians over ``repeats`` runs per call between them
+(:func:`sparrow_jax.benchmarking.marginal_seconds`), which leaves out what a timed program costs
+once (on an H100 ~0.3 ms: 8% of the sparse step's time in a chain of 20 at batch 32). The
+sparse step's output is checked against the XLA reference before it is timed.
 
 Bytes each must move: dense reads every K and V, ``2 B L Hkv D s`` (s the element size); the
 sparse step reads the centroids of the scored pages and the chosen pages' K and V,
 ``B Hkv (M - 3) D s + B Hkv K P D 2 s`` (M = L / P pages, K the budget in pages; the three
 reserved pages are never scored). "% of ceiling" is those bytes over the time, against the
-device's read bandwidth measured in the same run (:func:`sparrow_jax.benchmarking.read_ceiling`).
+device's read bandwidth measured in the same run and the same way
+(:func:`sparrow_jax.benchmarking.read_ceiling` with ``marginal``).
 """
 
 from __future__ import annotations
@@ -25,7 +29,7 @@ import numpy as np
 
 from sparrow_jax.attention.paged_dense import paged_attention
 from sparrow_jax.attention.sparse import sparse_decode
-from sparrow_jax.benchmarking import chained, median_seconds
+from sparrow_jax.benchmarking import marginal_seconds
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,8 +105,8 @@ def measure(shape: DecodeShape, batch: int, context: int, budget_tokens: int, *,
             ceiling_gbs: float | None = None, seed: int = 0) -> dict:
     """The sparse step (``sparse_decode(impl=impl)``) and dense paged attention
     (``paged_attention(impl="auto")``, the engine's dense decode) on one random case -> a row:
-    seconds per call of each, the sparse step's error against the reference in float32 products
-    (max abs over max abs), ``x_dense`` (dense time over sparse time), the bytes each must move
+    seconds a call of each (marginal), the sparse step's error against the reference in
+    float32 products (max abs over max abs), ``x_dense`` (dense time over sparse time), the bytes each must move
     and, given ``ceiling_gbs``, each one's share of it."""
     shape.check(context, budget_tokens)
     q, k_pages, v_pages, centroids, table, lengths = random_case(shape, batch, context, seed)
@@ -124,10 +128,10 @@ def measure(shape: DecodeShape, batch: int, context: int, budget_tokens: int, *,
     def step_dense(x, k, v, t, n):
         return paged_attention(x, k, v, t, n)
 
-    sparse_s = median_seconds(chained(step_sparse, chain), (q, k_pages, v_pages, table, lengths,
-                                                            budgets), repeats) / chain
-    dense_s = median_seconds(chained(step_dense, chain), (q, k_pages, v_pages, table, lengths),
-                             repeats) / chain
+    sparse_s = marginal_seconds(step_sparse, (q, k_pages, v_pages, table, lengths, budgets),
+                                chain, repeats)
+    dense_s = marginal_seconds(step_dense, (q, k_pages, v_pages, table, lengths), chain,
+                               repeats)
     row = dict(batch=batch, context=context, budget_tokens=budget_tokens, impl=impl,
                sparse_s=sparse_s, dense_s=dense_s, x_dense=dense_s / sparse_s, rel_err=rel_err,
                sparse_bytes=shape.sparse_bytes(batch, context, budget_tokens),

@@ -1,13 +1,14 @@
 """``sparrow_jax.benchmarking.chained``, the timed loop of the kernel benchmarks: both forms
 apply the call the asked number of times (worked by hand), and the unrolled one has no XLA
-while loop left, whose per-iteration cost on a GPU it exists to leave out."""
+while loop left, whose per-iteration cost on a GPU it exists to leave out; ``slope_seconds``,
+the per-call time from two chain lengths, against a hand-worked program time."""
 
 from __future__ import annotations
 
 import jax.numpy as jnp
 import pytest
 
-from sparrow_jax.benchmarking import chained
+from sparrow_jax.benchmarking import chained, slope_seconds
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -17,3 +18,12 @@ def test_applies_the_call_chain_times(unroll):
     assert float(run(jnp.float32(2), jnp.float32(3))) == 67.0
     hlo = run.lower(jnp.float32(2), jnp.float32(3)).as_text()
     assert ("while" in hlo) is not unroll
+
+
+def test_slope_leaves_out_the_once_a_program_cost():
+    # A program of n calls taking 0.3 ms once plus 50 us a call: 20 calls 1.3 ms, 80 calls
+    # 4.3 ms; the slope between them is the 50 us, where 1.3 ms / 20 would say 65.
+    got = slope_seconds(lambda n: 3e-4 + 5e-5 * n, 20, factor=4)
+    assert got == pytest.approx(5e-5, rel=1e-12)
+    with pytest.raises(ValueError, match="factor=1"):
+        slope_seconds(lambda n: n, 20, factor=1)

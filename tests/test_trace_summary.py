@@ -9,7 +9,8 @@ import pathlib
 
 import pytest
 
-from sparrow_jax.benchmarking import device_events, summarize_events
+from sparrow_jax.benchmarking import (device_events, device_timeline, launch_gaps,
+                                     summarize_events)
 
 
 def write_trace(folder: pathlib.Path, events) -> None:
@@ -40,3 +41,21 @@ def test_device_lines_summed_per_step(tmp_path):
 def test_no_trace_is_named(tmp_path):
     with pytest.raises(FileNotFoundError, match="no perfetto_trace"):
         device_events(str(tmp_path))
+
+
+def test_launch_gaps_per_pair_of_kernels(tmp_path):
+    """Two calls of score (10 us) then attend (20, then 19 us) on one stream, given out of
+    order; attend starting 1 us after score ends and the next score 3 us after attend: span
+    (0 .. 64) 32 us a call, busy 29.5, gaps score -> attend 1 (twice), attend -> score 3."""
+    meta = [{"ph": "M", "pid": 2, "name": "process_name", "args": {"name": "/device:GPU:0"}}]
+    x = [dict(ph="X", pid=2, tid=7, ts=t, dur=d, name=n)
+         for t, d, n in [(34, 10, "score"), (0, 10, "score"), (11, 20, "attend"),
+                         (45, 19, "attend")]]
+    write_trace(tmp_path, meta + x)
+    (events,) = device_timeline(str(tmp_path)).values()
+    assert [n for _, _, n in events] == ["score", "attend", "score", "attend"]
+    out = launch_gaps(events, calls=2)
+    assert out["span_us"] == pytest.approx(32.0)
+    assert out["busy_us"] == pytest.approx(29.5)
+    assert out["gaps_us"] == {"score -> attend": (1.0, 1.0, 1.0),
+                              "attend -> score": (3.0, 3.0, 3.0)}
