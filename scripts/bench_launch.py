@@ -4,7 +4,7 @@ chain of calls, median of runs) and traced, so that wall time, the device's span
 between kernels stand side by side.
 
     PYTHONPATH=. python3 scripts/bench_launch.py --out $OUT/launch.json
-    PYTHONPATH=. python3 scripts/bench_launch.py --no-graphs --step-batches --out ..
+    PYTHONPATH=. python3 scripts/bench_launch.py --no-graphs --out ..    # CUDA graphs off
 
 Probe kernels add one to a float32 array ``[programs, 128]``, one program a row, so every
 kernel depends on the one before; ``programs`` 1, 132 (one an SM) and 528 (the sparse
@@ -65,9 +65,9 @@ def traced(run, args, calls: int) -> dict:
 
 
 def timed(name, fn, args, *, chain, repeats, per_call, marginal, interpret) -> list[dict]:
-    """Rows for ``fn`` chained ``chain`` times, in a while loop and unrolled: wall us a
-    ``per_call`` (launches a call: the probe's kernels, or 1 for the step), and off CPU the
-    trace's span, busy time and gaps; ``marginal``: the marginal us a call too."""
+    """Rows for ``fn`` chained ``chain`` times, in a while loop and unrolled: wall us a kernel
+    (``per_call`` kernels a call: the probe's, or 1 for the step); off CPU the trace's span
+    and busy time, us a call, and its gaps; ``marginal``: the marginal us a call too."""
     rows = []
     for unroll in (False, True):
         run = chained(fn, chain, unroll=unroll)
