@@ -8,9 +8,12 @@ of each stream).
 
 ``--min-width``: the page table at least this many pages wide (short rows beside a long one,
 as in continuous refill). The rows hold pages for their context only, so any row count fits.
-With CUDA graphs on (XLA's default) the profiler may see a graph as one launch; the script
-turns them off (``--graphs`` keeps them): the kernels are the same, the gaps between them are
-not, so compare the sums with the step time printed beside them.
+The script turns CUDA graphs off (``--graphs`` keeps them, as the engine runs; the trace then
+still shows each kernel): the kernels are the same, the gaps between them are not, so compare
+the sums with the step time printed beside them. Printed too: the busiest trace line's span a
+step against its kernels' own time, and the largest gaps between consecutive kernels by their
+sum a step (``sparrow_jax.benchmarking.launch_gaps``): with graphs on, the time a step spends
+with the device idle, and where.
 """
 
 from __future__ import annotations
@@ -24,7 +27,8 @@ import tempfile
 import jax
 import jax.numpy as jnp
 
-from sparrow_jax.benchmarking import device_events, summarize_events
+from sparrow_jax.benchmarking import (device_timeline, events_by_name, launch_gaps,
+                                     summarize_events)
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig
@@ -82,18 +86,26 @@ def main(argv=None):
     # The trace holds time_context's untimed first chunk too.
     traced_steps = steps * (args.repeats + 1)
     step_us = 1e6 * min(timed.step_seconds)
-    lines = summarize_events(device_events(trace_dir), traced_steps, args.top)
+    timeline = device_timeline(trace_dir)
+    lines = summarize_events(events_by_name(timeline), traced_steps, args.top)
+    # The busiest line's span against its kernels' own time: idle time between kernels.
+    gaps = launch_gaps(max(timeline.values(), key=len), traced_steps)
     dev = jax.devices()[0]
     out = dict(argv=sys.argv[1:] if argv is None else argv, device=dev.device_kind,
                backend=jax.default_backend(), jax=jax.__version__, model=args.model,
                mode=args.mode, rows=args.rows, live=args.live, context=timed.mean_context,
                table_width=timed.table_width, graphs=args.graphs, step_us=step_us,
                step_us_warm_up=1e6 * min(warm.step_seconds), traced_steps=traced_steps,
-               lines=lines)
+               lines=lines, span_us=gaps["span_us"], busy_us=gaps["busy_us"],
+               gap_sum_us=gaps["gap_sum_us"])
     running = f" ({args.live} running)" if args.live is not None else ""
     print(f"{dev.device_kind}: {args.model} {args.mode}, {args.rows} rows{running} at context "
           f"{timed.mean_context:.0f}, table {timed.table_width} pages, CUDA graphs "
-          f"{'on' if args.graphs else 'off'}: {step_us:.0f} us a step")
+          f"{'on' if args.graphs else 'off'}: {step_us:.0f} us a step; the busiest trace "
+          f"line spans {gaps['span_us']:.0f} us a step, its kernels {gaps['busy_us']:.0f}")
+    largest = sorted(gaps["gap_sum_us"].items(), key=lambda kv: -kv[1])[:args.top // 3]
+    print("largest gaps between kernels, us a step: "
+          + "; ".join(f"{k[:90]} {v:.1f}" for k, v in largest))
     for line, entry in sorted(lines.items(), key=lambda kv: -kv[1]["total_us"]):
         print(f"\n{line}: {entry['total_us']:.0f} us a step")
         print("| us a step | launches a step | name |\n| --- | --- | --- |")

@@ -159,27 +159,33 @@ def device_timeline(trace_dir: str) -> dict[str, list[tuple[float, float, str]]]
     return {line: sorted(evs) for line, evs in lines.items()}
 
 
-def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
-    """:func:`device_timeline` by event name: {trace line: {event name: [durations, us]}}."""
+def events_by_name(timeline) -> dict[str, dict[str, list[float]]]:
+    """A :func:`device_timeline` -> {trace line: {event name: [durations, us]}}."""
     lines = {}
-    for line, evs in device_timeline(trace_dir).items():
+    for line, evs in timeline.items():
         names = lines[line] = collections.defaultdict(list)
         for _, dur, name in evs:
             names[name].append(dur)
     return lines
 
 
+def device_events(trace_dir: str) -> dict[str, dict[str, list[float]]]:
+    """:func:`device_timeline` by event name (:func:`events_by_name`)."""
+    return events_by_name(device_timeline(trace_dir))
+
+
 def launch_gaps(events: list[tuple[float, float, str]], calls: int) -> dict:
     """One line of :func:`device_timeline` -> its span (first start to last end) and busy
     time (durations summed), in us per call, and the gap between each event's end and the
-    next one's start, per pair of names: {"a -> b": (median, min, max) us}. A gap below zero
-    is an overlap in the trace's clock."""
+    next one's start, per pair of names: {"a -> b": (median, min, max) us}, and their sum a
+    call, {"a -> b": us}. A gap below zero is an overlap in the trace's clock."""
     gaps = collections.defaultdict(list)
     for (t0, d0, a), (t1, _, b) in zip(events, events[1:]):
         gaps[f"{a} -> {b}"].append(t1 - (t0 + d0))
     span = events[-1][0] + events[-1][1] - events[0][0] if events else 0.0
     return dict(span_us=span / calls, busy_us=sum(d for _, d, _ in events) / calls,
-                gaps_us={k: (statistics.median(g), min(g), max(g)) for k, g in gaps.items()})
+                gaps_us={k: (statistics.median(g), min(g), max(g)) for k, g in gaps.items()},
+                gap_sum_us={k: sum(g) / calls for k, g in gaps.items()})
 
 
 def summarize_events(lines, calls: int, top: int) -> dict:

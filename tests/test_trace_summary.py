@@ -59,3 +59,4 @@ def test_launch_gaps_per_pair_of_kernels(tmp_path):
     assert out["busy_us"] == pytest.approx(29.5)
     assert out["gaps_us"] == {"score -> attend": (1.0, 1.0, 1.0),
                               "attend -> score": (3.0, 3.0, 3.0)}
+    assert out["gap_sum_us"] == {"score -> attend": 1.0, "attend -> score": 1.5}
