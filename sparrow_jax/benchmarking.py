@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import collections
 import datetime
+import functools
 import glob
 import gzip
 import json
@@ -82,6 +83,12 @@ def median_seconds(run, args, repeats: int) -> float:
     return statistics.median(times)
 
 
+def chained_read(reduce, s: jax.Array, x: jax.Array) -> jax.Array:
+    """One call of the marginal read ceiling's chain: ``reduce(x + s)`` scaled down, a scalar
+    that the next call adds to x, so that XLA neither merges the calls nor skips reading x."""
+    return reduce(x + s) * 1e-9
+
+
 def read_ceiling(repeats: int = 10, small: bool = False, marginal: bool = False) -> float:
     """GB/s of the faster of a sum and a max over a 4 GiB float32 array (4 MiB if ``small``,
     for CPU smoke runs): the device's read bandwidth as XLA reaches it. ``marginal``: timed as
@@ -92,9 +99,8 @@ def read_ceiling(repeats: int = 10, small: bool = False, marginal: bool = False)
     best = 0.0
     for reduce in (jnp.sum, jnp.max):
         if marginal:
-            def call(s, x_, reduce=reduce):
-                return reduce(x_ + s) * 1e-9
-            seconds = marginal_seconds(call, (jnp.float32(0), x), 4, repeats)
+            seconds = marginal_seconds(functools.partial(chained_read, reduce),
+                                       (jnp.float32(0), x), 4, repeats)
         else:
             seconds = median_seconds(jax.jit(reduce), (x,), repeats)
         best = max(best, x.nbytes / seconds / 1e9)

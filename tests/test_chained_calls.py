@@ -1,14 +1,17 @@
 """``sparrow_jax.benchmarking.chained``, the timed loop of the kernel benchmarks: both forms
 apply the call the asked number of times (worked by hand), and the unrolled one has no XLA
 while loop left, whose per-iteration cost on a GPU it exists to leave out; ``slope_seconds``,
-the per-call time from two chain lengths, against a hand-worked program time."""
+the per-call time from two chain lengths, against a hand-worked program time; and the
+marginal read ceiling's chain, whose calls XLA must neither merge nor skip."""
 
 from __future__ import annotations
+
+import functools
 
 import jax.numpy as jnp
 import pytest
 
-from sparrow_jax.benchmarking import chained, slope_seconds
+from sparrow_jax.benchmarking import chained, chained_read, slope_seconds
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -27,3 +30,13 @@ def test_slope_leaves_out_the_once_a_program_cost():
     assert got == pytest.approx(5e-5, rel=1e-12)
     with pytest.raises(ValueError, match="factor=1"):
         slope_seconds(lambda n: n, 20, factor=1)
+
+
+def test_the_ceilings_chain_reads_once_a_call():
+    # Four chained reductions stay four (none merged, none skipped): sum(x + s) * 1e-9 from
+    # s = 0 over x = 1, 2, 3: 6e-9, then 6e-9 + 3 * 6e-9 * 1e-9 ~ 6e-9 again.
+    run = chained(functools.partial(chained_read, jnp.sum), 4, unroll=True)
+    x = jnp.arange(1, 4, dtype=jnp.float32)
+    assert float(run(jnp.float32(0), x)) == pytest.approx(6e-9, rel=1e-6)
+    hlo = run.lower(jnp.float32(0), x).compile().as_text()
+    assert hlo.count(" reduce(") == 4
