@@ -39,16 +39,29 @@ def chained(fn, chain: int, unroll: bool = False):
     return run
 
 
-def slope_seconds(time_chain, chain: int, factor: int = 4) -> float:
+def slope_seconds(time_chain, chain: int, factor: int = 4, tries: int = 3) -> float:
     """Seconds one call adds to a chain of calls: ``(time_chain(factor * chain) -
     time_chain(chain)) / ((factor - 1) * chain)``, where ``time_chain(n)`` is the wall time of
     a program of ``n`` chained calls. That time is n calls plus what the program costs once
     (its dispatch, its CUDA graph's launch, the wait for its end: ~0.3 ms on an H100, 15 us a
     call in a chain of 20); the difference leaves the once-a-program part out, as a long loop
-    of calls amortises it."""
+    of calls amortises it.
+
+    Where the calls are short beside that cost's noise, the difference can come out zero or
+    negative (a 256-token step in a chain of 1 and 4 on an H100); then the longer chain is
+    made ``factor`` times longer again, up to ``tries`` lengths, and past them RuntimeError,
+    never a time that is not one."""
     if factor < 2:
         raise ValueError(f"factor={factor}: the longer chain must be at least twice the shorter")
-    return (time_chain(factor * chain) - time_chain(chain)) / ((factor - 1) * chain)
+    short = time_chain(chain)
+    longer = chain
+    for _ in range(tries):
+        longer *= factor
+        extra = time_chain(longer) - short
+        if extra > 0:
+            return extra / (longer - chain)
+    raise RuntimeError(f"chains of {chain} to {longer} calls took no longer than one of {chain}: "
+                       "the calls are too short to time against the program's own cost")
 
 
 def marginal_seconds(fn, args, chain: int, repeats: int, factor: int = 4) -> float:

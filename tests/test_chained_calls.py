@@ -1,8 +1,9 @@
 """``sparrow_jax.benchmarking.chained``, the timed loop of the kernel benchmarks: both forms
 apply the call the asked number of times (worked by hand), and the unrolled one has no XLA
 while loop left, whose per-iteration cost on a GPU it exists to leave out; ``slope_seconds``,
-the per-call time from two chain lengths, against a hand-worked program time; and the
-marginal read ceiling's chain, whose calls XLA must neither merge nor skip."""
+the per-call time from two chain lengths, against a hand-worked program time (and a longer
+chain where noise hides the calls); and the marginal read ceiling's chain, whose calls XLA
+must neither merge nor skip."""
 
 from __future__ import annotations
 
@@ -40,3 +41,14 @@ def test_the_ceilings_chain_reads_once_a_call():
     assert float(run(jnp.float32(0), x)) == pytest.approx(6e-9, rel=1e-6)
     hlo = run.lower(jnp.float32(0), x).compile().as_text()
     assert hlo.count(" reduce(") == 4
+
+
+def test_slope_lengthens_the_chain_when_noise_hides_the_calls():
+    # 10 us a call under a program cost whose noise made 4 calls time faster than 1: the
+    # chain of 16 shows them, (0.67e-3 - 0.52e-3) / 15 = 10 us (by hand).
+    times = {1: 0.52e-3, 4: 0.51e-3, 16: 0.67e-3}
+    asked = []
+    got = slope_seconds(lambda n: asked.append(n) or times[n], 1, factor=4)
+    assert got == pytest.approx(1e-5, rel=1e-9) and asked == [1, 4, 16]
+    with pytest.raises(RuntimeError, match="chains of 1 to 64 calls"):
+        slope_seconds(lambda n: 1e-3, 1, factor=4)
