@@ -48,16 +48,15 @@ def slope_seconds(time_chain, chain: int, factor: int = 4, tries: int = 3) -> fl
     of calls amortises it.
 
     Where the calls are short beside that cost's noise, the difference can come out zero or
-    negative (a 256-token step in a chain of 1 and 4 on an H100); then the longer chain is
-    made ``factor`` times longer again, up to ``tries`` lengths, and past them RuntimeError,
-    never a time that is not one."""
+    negative (a 256-token step in chains of 1 and 4, on an H100 shared by eight test
+    processes); then both are timed again, the longer chain ``factor`` times longer, up to
+    ``tries`` lengths, and past them RuntimeError, never a time that is not one."""
     if factor < 2:
         raise ValueError(f"factor={factor}: the longer chain must be at least twice the shorter")
-    short = time_chain(chain)
     longer = chain
     for _ in range(tries):
         longer *= factor
-        extra = time_chain(longer) - short
+        extra = time_chain(longer) - time_chain(chain)
         if extra > 0:
             return extra / (longer - chain)
     raise RuntimeError(f"chains of {chain} to {longer} calls took no longer than one of {chain}: "

@@ -48,7 +48,8 @@ def test_the_pallas_step_it_times_matches_the_reference():
     from sparrow_jax.decode_bench import DecodeShape, measure
 
     shape = DecodeShape(q_heads=4, kv_heads=2, head_dim=16, dtype="float32")
-    row = measure(shape, 2, 256, 64, impl="pallas", chain=1, repeats=1)
+    # Three runs a chain: the GPU lane's eight test processes share one GPU.
+    row = measure(shape, 2, 256, 64, impl="pallas", chain=1, repeats=3)
     assert row["rel_err"] < 2e-5 and row["sparse_s"] > 0
 
 
