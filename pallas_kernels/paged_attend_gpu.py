@@ -105,25 +105,18 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     tok = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 1)
     entry = lax.broadcasted_iota(jnp.int32, (block_pages, page_size), 0)
 
-    def block_list(i):
-        """Block i's physical pages and their slots in the row."""
+    def body(i, carry):
+        o, m, l = carry
         sl = pl.ds(i * block_pages, block_pages)
         if slot_ref is None:
             # A page table's width need not be a multiple of the block: past it, page 0.
             slot = i * block_pages + lax.broadcasted_iota(jnp.int32, (block_pages,), 0)
-            return plgpu.load(phys_ref.at[(*list_at, sl)], mask=slot < width, other=0), slot
-        return phys_ref[(*list_at, sl)], slot_ref[(*list_at, sl)]
-
-    # The next block's list entries are loaded beside this block's pages, so that the page
-    # loads of a block do not wait on a load of its list first (a block's last, or an empty
-    # split's, loads a block of the split again: never past the list).
-    within = lambda i: jnp.maximum(jnp.minimum(i, stop - 1), 0)
-
-    def body(i, carry):
-        o, m, l, phys, slot = carry
+            phys = plgpu.load(phys_ref.at[(*list_at, sl)], mask=slot < width, other=0)
+        else:
+            phys = phys_ref[(*list_at, sl)]
+            slot = slot_ref[(*list_at, sl)]
         k = k_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
         v = v_ref[(*pages_at, phys)].reshape(block_k, d).astype(cdt)
-        next_list = block_list(within(i + 1))
         # [Rpad, block_k] float32; allow_tf32=False keeps float32 inputs exact.
         logits = plgpu.dot(q, k, trans_b=True, allow_tf32=False) * scale
         ok = ((i * block_pages + entry < count)
@@ -134,11 +127,11 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
         p = jnp.exp(logits - m_new[:, None])
         l_new = corr * l + jnp.sum(p, axis=1)
         o_new = corr[:, None] * o + plgpu.dot(p.astype(cdt), v, allow_tf32=False)
-        return o_new, m_new, l_new, *next_list
+        return o_new, m_new, l_new
 
     init = (jnp.zeros((rpad, d), jnp.float32), jnp.full((rpad,), _MASK_VALUE, jnp.float32),
-            jnp.zeros((rpad,), jnp.float32), *block_list(within(start)))
-    o, m, l, *_ = lax.fori_loop(start, stop, body, init)
+            jnp.zeros((rpad,), jnp.float32))
+    o, m, l = lax.fori_loop(start, stop, body, init)
     junk = o_ref.shape[len(part_at)] - 1
     row = lax.broadcasted_iota(jnp.int32, (rpad,), 0)
     row_d = lax.broadcasted_iota(jnp.int32, (rpad, d), 0)
