@@ -50,7 +50,8 @@ def slope_seconds(time_chain, chain: int, factor: int = 4, tries: int = 3) -> fl
     Where the calls are short beside that cost's noise, the difference can come out zero or
     negative (a 256-token step in chains of 1 and 4, on an H100 shared by eight test
     processes); then both are timed again, the longer chain ``factor`` times longer, up to
-    ``tries`` lengths, and past them RuntimeError, never a time that is not one."""
+    ``tries`` lengths, and past them ValueError (a case too small to time so, which ``sparrow
+    bench`` reports in one line), never a time that is not one."""
     if factor < 2:
         raise ValueError(f"factor={factor}: the longer chain must be at least twice the shorter")
     longer = chain
@@ -59,8 +60,9 @@ def slope_seconds(time_chain, chain: int, factor: int = 4, tries: int = 3) -> fl
         extra = time_chain(longer) - time_chain(chain)
         if extra > 0:
             return extra / (longer - chain)
-    raise RuntimeError(f"chains of {chain} to {longer} calls took no longer than one of {chain}: "
-                       "the calls are too short to time against the program's own cost")
+    raise ValueError(f"chains of {chain} to {longer} calls took no longer than one of {chain}: "
+                     "the calls are too short to time against the program's own cost (time a "
+                     "larger case, or longer chains)")
 
 
 def marginal_seconds(fn, args, chain: int, repeats: int, factor: int = 4) -> float:
