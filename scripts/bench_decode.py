@@ -496,9 +496,12 @@ def main(argv=None):
                             print(f"{name} ctx={ctx} b={b}: rel err {err:.1e}; page sets differ "
                                   f"from the reference in {nbad}/{rows_} rows, largest relative "
                                   f"score gap {gap:.1e}", flush=True)
-                    runs = {loop: chained(fn, args.chain, unroll=loop != "fori")
-                            for loop in args.loops}
-                    times = {loop: (marginal_seconds(fn, fn_args, args.chain, args.repeats)
+                    # "unrolled" and "marginal" time the same program of args.chain calls.
+                    unrolled = {args.chain: chained(fn, args.chain, unroll=True)}
+                    runs = {loop: (chained(fn, args.chain) if loop == "fori"
+                                   else unrolled[args.chain]) for loop in args.loops}
+                    times = {loop: (marginal_seconds(fn, fn_args, args.chain, args.repeats,
+                                                     runs=unrolled)
                                     if loop == "marginal" else
                                     median_seconds(run, fn_args, args.repeats) / args.chain)
                              for loop, run in runs.items()}

@@ -65,12 +65,20 @@ def slope_seconds(time_chain, chain: int, factor: int = 4, tries: int = 3) -> fl
                      "larger case, or longer chains)")
 
 
-def marginal_seconds(fn, args, chain: int, repeats: int, factor: int = 4) -> float:
+def marginal_seconds(fn, args, chain: int, repeats: int, factor: int = 4,
+                     runs: dict | None = None) -> float:
     """:func:`slope_seconds` of ``fn``'s calls chained as :func:`chained` chains them, unrolled
     (an XLA while loop would add its own per-iteration cost), each chain's time the median of
-    ``repeats`` runs."""
-    return slope_seconds(lambda n: median_seconds(chained(fn, n, unroll=True), args, repeats),
-                         chain, factor)
+    ``repeats`` runs. ``runs``: unrolled chains of ``fn`` by length, already built, to reuse
+    (the chains built here are added): each length is compiled once, also where the slope
+    times a chain again or the caller times the short chain itself."""
+    runs = {} if runs is None else runs
+
+    def time_chain(n):
+        if n not in runs:
+            runs[n] = chained(fn, n, unroll=True)
+        return median_seconds(runs[n], args, repeats)
+    return slope_seconds(time_chain, chain, factor)
 
 
 def write_record(path: str | None, **fields) -> dict:

@@ -2,8 +2,8 @@
 apply the call the asked number of times (worked by hand), and the unrolled one has no XLA
 while loop left, whose per-iteration cost on a GPU it exists to leave out; ``slope_seconds``,
 the per-call time from two chain lengths, against a hand-worked program time (and a longer
-chain where noise hides the calls); and the marginal read ceiling's chain, whose calls XLA
-must neither merge nor skip."""
+chain where noise hides the calls), each chain compiled once; and the marginal read ceiling's
+chain, whose calls XLA must neither merge nor skip."""
 
 from __future__ import annotations
 
@@ -12,7 +12,8 @@ import functools
 import jax.numpy as jnp
 import pytest
 
-from sparrow_jax.benchmarking import chained, chained_read, slope_seconds
+from sparrow_jax import benchmarking
+from sparrow_jax.benchmarking import chained, chained_read, marginal_seconds, slope_seconds
 
 
 @pytest.mark.parametrize("unroll", [False, True])
@@ -52,3 +53,21 @@ def test_slope_lengthens_the_chain_when_noise_hides_the_calls():
     assert got == pytest.approx(1e-5, rel=1e-9) and asked == [4, 1, 16, 1]
     with pytest.raises(ValueError, match="chains of 1 to 64 calls"):
         slope_seconds(lambda n: 1e-3, 1, factor=4)
+
+
+def test_the_marginal_time_compiles_each_chain_once(monkeypatch):
+    # A chain already built (and run) is reused: timing the slope traces the call once more,
+    # for the longer chain only (an unrolled chain traces its call once, as one loop body).
+    # Each chain "takes" its output as seconds: y -> y + 1 from 0 over n calls is n, so the
+    # slope between 2 and 8 calls is 1 s a call (by hand).
+    traced = []
+
+    def call(y, a):
+        traced.append(1)
+        return y * a + 1
+    monkeypatch.setattr(benchmarking, "median_seconds", lambda run, args, _: float(run(*args)))
+    runs = {2: chained(call, 2, unroll=True)}
+    runs[2](jnp.float32(0), jnp.float32(1))
+    assert len(traced) == 1
+    got = marginal_seconds(call, (jnp.float32(0), jnp.float32(1)), 2, repeats=1, runs=runs)
+    assert got == 1.0 and sorted(runs) == [2, 8] and len(traced) == 2
