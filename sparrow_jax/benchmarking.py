@@ -69,10 +69,10 @@ def marginal_seconds(fn, args, chain: int, repeats: int, factor: int = 4,
                      runs: dict | None = None) -> float:
     """:func:`slope_seconds` of ``fn``'s calls chained as :func:`chained` chains them, unrolled
     (an XLA while loop would add its own per-iteration cost), each chain's time the median of
-    ``repeats`` runs. ``runs``: unrolled chains of ``fn`` by length, already built, to reuse
-    (the chains built here are added): each length is compiled once, also where the slope
-    times a chain again or the caller times the short chain itself."""
-    runs = {} if runs is None else runs
+    ``repeats`` runs. ``runs``: unrolled chains of ``fn`` by length that the caller built (and
+    may have timed), reused, not changed: each length is compiled once, also where the slope
+    times a chain again."""
+    runs = dict(runs or {})
 
     def time_chain(n):
         if n not in runs:
