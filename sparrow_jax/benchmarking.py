@@ -228,6 +228,20 @@ def summarize_events(lines, calls: int, top: int) -> dict:
     return out
 
 
+def growth_per_row(small: dict[str, float], large: dict[str, float], rows_small: int,
+                   rows_large: int) -> list[dict]:
+    """One trace line's us a step per event name at two row counts -> each name's us a step at
+    both and what each row beyond ``rows_small`` adds (``per_row``), largest first. A name
+    missing at one count counts 0 there. What a kernel adds a row, against its bytes a row,
+    shows which kernel scales worse than its reads; a fixed cost adds nothing a row."""
+    if rows_large <= rows_small:
+        raise ValueError(f"rows {rows_small} and {rows_large}: the second must be larger")
+    rows = [dict(name=n, us_small=small.get(n, 0.0), us_large=large.get(n, 0.0),
+                 per_row=(large.get(n, 0.0) - small.get(n, 0.0)) / (rows_large - rows_small))
+            for n in small.keys() | large.keys()]
+    return sorted(rows, key=lambda r: (-r["per_row"], r["name"]))
+
+
 def profile_calls(run, args, calls: int, top: int = 12) -> dict:
     """One ``run(*args)`` (compiled and warm: call it before) traced with ``jax.profiler``,
     summed per device event and divided by ``calls``, the calls of the traced function it

@@ -9,8 +9,8 @@ import pathlib
 
 import pytest
 
-from sparrow_jax.benchmarking import (device_events, device_timeline, launch_gaps,
-                                     summarize_events)
+from sparrow_jax.benchmarking import (device_events, device_timeline, growth_per_row,
+                                     launch_gaps, summarize_events)
 
 
 def write_trace(folder: pathlib.Path, events) -> None:
@@ -60,3 +60,17 @@ def test_launch_gaps_per_pair_of_kernels(tmp_path):
     assert out["gaps_us"] == {"score -> attend": (1.0, 1.0, 1.0),
                               "attend -> score": (3.0, 3.0, 3.0)}
     assert out["gap_sum_us"] == {"score -> attend": 1.0, "attend -> score": 1.5}
+
+
+def test_growth_per_row_by_hand():
+    """19 -> 34 rows (15 more): attend 100 -> 250 us a step adds 10 us a row, score 20 -> 35
+    adds 1, a fixed gemm 500 -> 500 adds 0, a kernel seen only at 34 rows (6 us) adds 0.4;
+    largest first."""
+    small = {"attend": 100.0, "score": 20.0, "gemm": 500.0}
+    large = {"attend": 250.0, "score": 35.0, "gemm": 500.0, "copy": 6.0}
+    rows = growth_per_row(small, large, 19, 34)
+    assert [r["name"] for r in rows] == ["attend", "score", "copy", "gemm"]
+    assert [r["per_row"] for r in rows] == pytest.approx([10.0, 1.0, 0.4, 0.0])
+    assert rows[2]["us_small"] == 0.0 and rows[2]["us_large"] == 6.0
+    with pytest.raises(ValueError, match="must be larger"):
+        growth_per_row(small, large, 34, 19)
