@@ -157,5 +157,6 @@ def profile_rows(model, rows: int, args) -> dict:
             print(f"| {r['us']:.1f} | {r['per_step']:.2f} | {r['name'][:100]} |")
     return out
 
+
 if __name__ == "__main__":
     main()
