@@ -12,15 +12,19 @@ that small batches still fill the GPU, and the splits' partial results are merge
   (:func:`merge_splits`).
 - :func:`attend_page_lists_balanced` and :func:`attend_table_balanced`
   (``GpuDecodeTuning.balanced``; the sparse step's default, dense decode keeps even splits):
-  one wave of programs shared out among the lists by their pages, so that a long row beside
-  finished or short ones (a static batch's tail, a continuous-refill chunk) is not left to
-  the batch's even split: at 32K with 18 of 19 rows finished, the even split gave the long
-  row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6 (H100), and a
-  grid with more splits a row made every step pay for its idle programs and a padded merge
-  (+0.18 ms a step at 19 rows). Program ``p`` finds its list and split from the prefix sum of
-  the lists' shares (:func:`list_shares`), writes its partial result at ``p`` and counts its
-  arrival on its list; the list's last program to arrive merges the list's partials (one
-  launch, no merge kernel after it).
+  one wave of programs sharing the lists' blocks of pages evenly (stream-K), so that a long
+  row beside finished or short ones (a static batch's tail, a continuous-refill chunk) is
+  not left to the batch's even split: at 32K with 18 of 19 rows finished, the even split
+  gave the long row 24 programs of 22 blocks each, 59.5 us a layer where its bytes need 6
+  (H100), and a grid with more splits a row made every step pay for its idle programs and a
+  padded merge (+0.18 ms a step at 19 rows). The blocks are laid end to end
+  (:func:`list_units`) and program ``p`` takes its share of them
+  (:func:`units_per_program`), across lists' ends where they fall: whole lists a program would
+  leave programs idle when the lists and the wave do not divide (at 34 rows of 8 KV heads,
+  272 lists in 528 programs got one program each, half the wave idle, each list's attention
+  twice its bytes' time; H200). For each list it touches, a program writes its partial
+  result and counts its arrival on the list; the list's last program to arrive merges the
+  list's partials (one launch, no merge kernel after it).
 
 A group's query heads are read from the unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the
 matrix units' minimum) by a masked load; only the group's rows of the partial results are
@@ -75,7 +79,8 @@ def _table_attend_kernel(q_ref, k_ref, v_ref, table_ref, len_ref, o_ref, m_ref, 
 
 
 def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref, l_ref, *,
-            page_size, block_pages, splits, group, rpad, scale, at=None, part_at=()):
+            page_size, block_pages, splits, group, rpad, scale, at=None, part_at=(),
+            span=None):
     """Online-softmax attention of one row's query group over this split's share of the
     ``count`` listed pages (slots: ``slot_ref``, or the list positions when None) -> its
     unnormalised output ``[G, D]`` f32, running max and sum ``[G]`` (the group's heads,
@@ -84,7 +89,9 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     indexing whole arrays (q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, lists ``[B, Hkv, L]`` or
     a page table ``[B, W]``; ``splits`` traced too): a Triton load takes one index
     expression, not a view of a view. ``part_at``: where the partial results go in whole
-    output arrays (the balanced kernel's ``(p,)``), none for the grid's blocks."""
+    output arrays (the balanced kernel's segment), none for the grid's blocks. ``span``:
+    traced ``(first, stop)`` blocks of the list in place of the split's (``splits`` unused),
+    ``stop`` clipped to the list's blocks."""
     if at is None:
         row, pages_at, list_at = (), (), ()
         kv, s = pl.program_id(1), pl.program_id(2)
@@ -96,9 +103,12 @@ def _attend(q_ref, k_ref, v_ref, phys_ref, slot_ref, count, length, o_ref, m_ref
     block_k = block_pages * page_size
     width = phys_ref.shape[-1]
     blocks = (count + block_pages - 1) // block_pages
-    per_split = (blocks + splits - 1) // splits
-    start = s * per_split
-    stop = jnp.minimum(start + per_split, blocks)
+    if span is None:
+        per_split = (blocks + splits - 1) // splits
+        start = s * per_split
+        stop = jnp.minimum(start + per_split, blocks)
+    else:
+        start, stop = span[0], jnp.minimum(span[1], blocks)
     q = group_queries(q_ref, kv, group, rpad, row)
     cdt = jnp.promote_types(q.dtype, k_ref.dtype)
     q = q.astype(cdt)
@@ -256,19 +266,22 @@ def merge_splits(o, mx, l, group):
     return out[:, :, :group].reshape(b, hkv * group, d)
 
 
-def list_shares(counts: jax.Array, valid: jax.Array, *, programs: int, block_pages: int
-                ) -> tuple[jax.Array, jax.Array]:
-    """Programs of each list: counts ``[n]`` int32 (pages of each (row, KV head) list, those
-    where ``valid [n]`` is False ignored) -> (shares, starts) ``[n]`` int32, list i run by
-    programs ``starts[i] .. starts[i] + shares[i] - 1``. Each valid list gets one program and
-    the ``programs - n_valid`` others in proportion to its blocks of pages, never more than it
-    has blocks, so shares sum to at most ``programs``; lists of equal length get equal shares."""
-    blocks = jnp.where(valid, (counts + block_pages - 1) // block_pages, 0)
-    total = jnp.maximum(jnp.sum(blocks), 1)
-    extra = programs - jnp.sum(valid.astype(jnp.int32))
-    shares = jnp.where(valid, jnp.minimum(1 + blocks * extra // total, jnp.maximum(blocks, 1)),
-                       0)
-    return shares, jnp.cumsum(shares) - shares
+def list_units(counts: jax.Array, valid: jax.Array, *, block_pages: int
+               ) -> tuple[jax.Array, jax.Array]:
+    """The work units of each list, its blocks of pages laid end to end: counts ``[n]`` int32
+    (pages of each (row, KV head) list, those where ``valid [n]`` is False ignored) -> (units,
+    ends) ``[n]`` int32, list i holding units ``ends[i] - units[i] .. ends[i] - 1``. A valid
+    list of no pages holds one unit (its program writes the list's zeros)."""
+    units = jnp.where(valid, jnp.maximum((counts + block_pages - 1) // block_pages, 1), 0)
+    return units, jnp.cumsum(units)
+
+
+def units_per_program(total: jax.Array, programs: int) -> jax.Array:
+    """Units a program takes when ``programs`` share ``total``: the fewest that cover them,
+    ``ceil(total / programs)``, the same for every program (program p holds ``p * chunk ..
+    (p + 1) * chunk - 1``, the last ones fewer or none), so a unit's program is one division
+    (an even split would give the busiest program no fewer)."""
+    return jnp.maximum((total + programs - 1) // programs, 1)
 
 
 def _list_counts(ref, *, table, kv_heads, page_size):
@@ -290,13 +303,16 @@ def _pick(idx, i, values):
 
 
 def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_heads, programs,
-                            barrier, **settings):
-    """Program p: split ``p - starts[i]`` of list i, the list whose programs hold p (none past
-    the shares' sum: an empty result, no arrival); its partial result written at p, then its
-    arrival counted on list i, and the list's last program to arrive merges the list's
-    partials into ``out`` (stream-K style: no second launch). Lists: refs = (slots, counts,
-    lengths, arrivals, out, o, m, l, arrivals out); page tables: (lengths, arrivals, out, o,
-    m, l, arrivals out)."""
+                            compiled, **settings):
+    """Program p: its :func:`units_per_program` of the lists' blocks laid end to end
+    (:func:`list_units`; stream-K: every program the same work whatever the lists' lengths,
+    so a program may finish one list and start the next). For each list i it touches, its
+    partial result is written at segment ``p + i`` (segments run in order of their units,
+    and from one to the next p or i or both grow: each has its own place), then its arrival
+    counted on list i; the list's last program to arrive merges the list's
+    segments into ``out`` (no second launch). Lists: refs = (slots, counts, lengths,
+    arrivals, out, o, m, l, arrivals out); page tables: (lengths, arrivals, out, o, m, l,
+    arrivals out)."""
     if table:
         slot_ref, (len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref) = None, refs
         counts_ref = len_ref
@@ -304,31 +320,47 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
         slot_ref, counts_ref, len_ref, _, out_ref, o_ref, m_ref, l_ref, arrivals_ref = refs
     idx, n, count = _list_counts(counts_ref, table=table, kv_heads=kv_heads,
                                  page_size=settings["page_size"])
-    shares, starts = list_shares(count, idx < n, programs=programs,
-                                 block_pages=settings["block_pages"])
+    units, ends = list_units(count, idx < n, block_pages=settings["block_pages"])
+    total = jnp.sum(units)
+    chunk = units_per_program(total, programs)
     p = pl.program_id(0)
-    i = jnp.sum(jnp.where((idx < n) & (starts + shares <= p), 1, 0))   # n: no list
-    row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
-    start, share = _pick(idx, i, starts), _pick(idx, i, shares)
-    _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row],
-            o_ref, m_ref, l_ref, splits=jnp.maximum(share, 1),
-            at=(row, i % kv_heads, p - start), part_at=(p,), **settings)
+    lo, hi = p * chunk, jnp.minimum((p + 1) * chunk, total)
 
-    @pl.when(i < n)
-    def _():
+    def segment(i, carry):
+        end = _pick(idx, i, ends)
+        first = end - _pick(idx, i, units)
+        row = jnp.minimum(i // kv_heads, len_ref.shape[0] - 1)
+        _attend(q_ref, k_ref, v_ref, list_ref, slot_ref, _pick(idx, i, count), len_ref[row],
+                o_ref, m_ref, l_ref, splits=1, at=(row, i % kv_heads, 0), part_at=(p + i,),
+                span=(jnp.maximum(lo, first) - first, jnp.minimum(hi, end) - first),
+                **settings)
         # Every thread's partial stores before the arrival, which releases them (the atomic
         # is acquire-release at GPU scope); the last to arrive reads the others' by volatile
         # loads, past the SM's L1, which may hold lines of partials read before they were
-        # written (a line holds several programs' maxima). Interpret mode runs the programs
-        # one after another and has no barrier.
-        if barrier:
+        # written (a line holds several segments' maxima). Interpret mode runs the programs
+        # one after another, so a plain count is the same there (and it cannot discharge
+        # an atomic inside a loop).
+        if compiled:
             plgpu.debug_barrier()
-        arrived = plgpu.atomic_add(arrivals_ref, i, jnp.ones((), jnp.int32))
+            arrived = plgpu.atomic_add(arrivals_ref, i, jnp.ones((), jnp.int32))
+        else:
+            arrived = arrivals_ref[i]
+            arrivals_ref[i] = arrived + 1
+        p_first, p_last = first // chunk, (end - 1) // chunk
 
-        @pl.when(arrived == share - 1)
+        @pl.when(arrived == p_last - p_first)
         def _():
-            _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, kv_heads=kv_heads,
-                        programs=programs, group=settings["group"])
+            _merge_list(i, p_first + i, p_last - p_first + 1, o_ref, m_ref, l_ref, out_ref,
+                        kv_heads=kv_heads, group=settings["group"])
+        return carry
+
+    @pl.when(lo < total)
+    def _():
+        # The lists holding units lo and hi - 1: those ending before them are counted
+        # (padding entries end at total, after both).
+        i_first = jnp.sum(jnp.where(ends <= lo, 1, 0))
+        i_last = jnp.sum(jnp.where(ends <= hi - 1, 1, 0))
+        lax.fori_loop(i_first, i_last + 1, segment, 0)
 
 
 # Partial results the merge reads at once: its loop's loads are not pipelined, so one
@@ -336,12 +368,12 @@ def _balanced_attend_kernel(q_ref, k_ref, v_ref, list_ref, *refs, table, kv_head
 MERGE_CHUNK = 8
 
 
-def _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, *, kv_heads, programs, group):
+def _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, *, kv_heads, group):
     """List i = (row, KV head): its partial results at ``start .. start + share - 1``
     rescaled to their common max and summed (an empty split has l = 0 and adds nothing),
     :data:`MERGE_CHUNK` partials at a time, its query heads written to ``out[row]``."""
     junk = m_ref.shape[1] - 1
-    d = o_ref.shape[2]
+    parts, _, d = o_ref.shape
     gpad = pow2(group)         # no matrix units here: the group's rows, not the 16 of a dot
     c, r = (lax.broadcasted_iota(jnp.int32, (MERGE_CHUNK, gpad), ax) for ax in (0, 1))
     c_d, r_d, d_d = (lax.broadcasted_iota(jnp.int32, (MERGE_CHUNK, gpad, d), ax)
@@ -351,7 +383,7 @@ def _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, *, kv_heads, prog
         o, m, l = carry
         at, at_d = start + j * MERGE_CHUNK + c, start + j * MERGE_CHUNK + c_d
         ok, ok_d = (at < start + share) & (r < group), (at_d < start + share) & (r_d < group)
-        at, at_d = jnp.minimum(at, programs - 1), jnp.minimum(at_d, programs - 1)
+        at, at_d = jnp.minimum(at, parts - 1), jnp.minimum(at_d, parts - 1)
         m_s = plgpu.load(m_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=_MASK_VALUE,
                          volatile=True)
         l_s = plgpu.load(l_ref.at[at, jnp.minimum(r, junk)], mask=ok, other=0.0,
@@ -378,8 +410,8 @@ def _merge_list(i, start, share, o_ref, m_ref, l_ref, out_ref, *, kv_heads, prog
 def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths, *, page_size,
                                tuning, programs=None, interpret=False, arrivals=None):
     """As :func:`attend_page_lists` (``tuning`` resolved; its splits unused), on ``programs``
-    programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor; at
-    least one a list), each list merged by its last program. ``arrivals``: the lists' arrival
+    programs (default one wave: :data:`ATTEND_PROGRAMS_PER_SM` a streaming multiprocessor),
+    each list merged by its last program. ``arrivals``: the lists' arrival
     counters, zeros of ``count``'s shape (the selection's, see
     :func:`~pallas_kernels.sparse_decode_gpu.select_page_lists`); None: zeros made here."""
     return _balanced_call(q, k_pages, v_pages, [phys, slots, count.reshape(-1)], lengths,
@@ -391,8 +423,8 @@ def attend_page_lists_balanced(q, k_pages, v_pages, phys, slots, count, lengths,
 
 def attend_table_balanced(q, k_pages, v_pages, page_table, lengths, *, page_size, tuning,
                           programs=None, interpret=False):
-    """As :func:`attend_table`, the programs shared out as :func:`attend_page_lists_balanced`
-    shares them (a row's pages its list for each KV head)."""
+    """As :func:`attend_table`, the work shared out as :func:`attend_page_lists_balanced`
+    shares it (a row's pages its list for each KV head)."""
     return _balanced_call(q, k_pages, v_pages, [page_table], lengths,
                           table=True, page_size=page_size, tuning=tuning,
                           programs=programs, interpret=interpret,
@@ -412,19 +444,20 @@ def _balanced_call(q, k_pages, v_pages, lists, lengths, *, table, page_size, tun
     group = hq // hkv
     rpad = max(16, pow2(group))
     rows = group + (group < rpad)
-    programs = max(programs or ATTEND_PROGRAMS_PER_SM * sm_count(), b * hkv)
+    programs = programs or ATTEND_PROGRAMS_PER_SM * sm_count()
+    parts = programs + b * hkv          # segment p + i's places
     whole = lambda x: pl.BlockSpec(x.shape, lambda *_: (0,) * len(x.shape))
     if arrivals is None:
         arrivals = jnp.zeros((b * hkv,), jnp.int32)
     ins = [q, k_pages, v_pages, *lists, lengths, arrivals]
     outs = [jax.ShapeDtypeStruct(q.shape, q.dtype),
-            jax.ShapeDtypeStruct((programs, rows, d), jnp.float32),
-            jax.ShapeDtypeStruct((programs, rows), jnp.float32),
-            jax.ShapeDtypeStruct((programs, rows), jnp.float32),
+            jax.ShapeDtypeStruct((parts, rows, d), jnp.float32),
+            jax.ShapeDtypeStruct((parts, rows), jnp.float32),
+            jax.ShapeDtypeStruct((parts, rows), jnp.float32),
             jax.ShapeDtypeStruct(arrivals.shape, arrivals.dtype)]
     out, *_ = pl.pallas_call(
         functools.partial(_balanced_attend_kernel, table=table, kv_heads=hkv, programs=programs,
-                          barrier=not interpret,
+                          compiled=not interpret,
                           page_size=page_size, block_pages=tuning.block_pages, group=group,
                           rpad=rpad, scale=d ** -0.5),
         grid=(programs,),

@@ -113,7 +113,7 @@ class GpuDecodeTuning:
       the defaults are the H100 sweep's (notes/kernel_notes.md, item 10): 2 warps and no
       software pipelining leave 228 registers a thread and 4 programs per SM, whose loads in
       flight read faster than Triton's 2-stage pipeline at 4 warps.
-    balanced: the attention on one wave of programs shared out by list length
+    balanced: the attention on one wave of programs sharing the lists' blocks evenly
       (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced`) instead of
       ``splits`` for every list (True: ``splits`` unused); None: balanced in the sparse step
       unless ``splits`` is set, even splits in dense decode. A long row among short or

@@ -1,5 +1,5 @@
-"""The attention on a flat grid shared out by list length (``attend_page_lists_balanced`` in
-pallas_kernels/paged_attend_gpu.py): its shares worked by hand, and its output against the
+"""The attention on a flat grid sharing the lists' blocks evenly (``attend_page_lists_balanced``
+in pallas_kernels/paged_attend_gpu.py): its partition worked by hand, and its output against the
 float64 NumPy reference of docs/design.md, section 3 (tests/reference_np.py), the lists from the
 Pallas selection kernels. Interpret mode on CPU, compiled on a GPU."""
 
@@ -10,7 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.paged_attend_gpu import attend_page_lists_balanced, list_shares
+from pallas_kernels.paged_attend_gpu import (attend_page_lists_balanced, list_units,
+                                             units_per_program)
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, select_page_lists,
                                               sparse_decode_pallas)
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close
@@ -19,28 +20,35 @@ from test_sparse_kernel import P, as64, make_case, reference
 INTERPRET = jax.default_backend() == "cpu"
 
 
-@pytest.mark.parametrize("counts,programs,shares", [
-    # 4 lists of 8 blocks (32 pages), 12 programs: 1 each + 8 x 8 // 32 = 3 each.
-    ([32, 32, 32, 32], 12, [3, 3, 3, 3]),
-    # A lone long list (65 blocks) beside three of one block: 1 + 65 x 8 // 68 = 8; 1 each.
-    ([260, 1, 4, 2], 12, [8, 1, 1, 1]),
-    # Never more programs than blocks: 2 blocks, 100 programs.
-    ([8, 0], 100, [2, 1]),
-    # As many lists as programs: one each.
-    ([40, 4, 4], 3, [1, 1, 1])])
-def test_shares_by_hand(counts, programs, shares):
-    got, starts = list_shares(jnp.asarray(counts, jnp.int32), jnp.ones(len(counts), bool),
-                              programs=programs, block_pages=4)
-    assert got.tolist() == shares
-    assert starts.tolist() == np.concatenate([[0], np.cumsum(shares)[:-1]]).tolist()
-    assert sum(shares) <= programs
+def partition(counts, programs, block_pages=4, valid=None):
+    """(units, ends, units a program) from the kernel's own functions, as lists and an int."""
+    counts = jnp.asarray(counts, jnp.int32)
+    valid = jnp.ones(counts.shape, bool) if valid is None else jnp.asarray(valid)
+    units, ends = list_units(counts, valid, block_pages=block_pages)
+    return units.tolist(), ends.tolist(), int(units_per_program(jnp.sum(units), programs))
 
 
-def test_shares_skip_invalid_entries():
-    """Padding entries (past the lists) get no program and take none from the others."""
-    got, starts = list_shares(jnp.asarray([16, 99, 16], jnp.int32),
-                              jnp.asarray([True, False, True]), programs=6, block_pages=4)
-    assert got.tolist() == [3, 0, 3] and starts.tolist() == [0, 3, 3]
+@pytest.mark.parametrize("counts,programs,units,chunk", [
+    # 4 lists of 8 blocks (32 pages), 12 programs: 32 units, 3 a program (the 11th holds 2,
+    # the 12th none); program 2 holds the first list's last 2 units and the second's first.
+    ([32, 32, 32, 32], 12, [8, 8, 8, 8], 3),
+    # A lone long list (65 blocks) beside three of one block: 68 units, 6 a program; the
+    # 12th holds the long list's last 2 units and all three short lists.
+    ([260, 1, 4, 2], 12, [65, 1, 1, 1], 6),
+    # An empty list holds one unit; programs past the units hold none.
+    ([8, 0], 100, [2, 1], 1),
+    # More lists than programs: 12 units, 4 a program, the last the long list's last 2
+    # units and both short lists.
+    ([40, 4, 4], 3, [10, 1, 1], 4)])
+def test_partition_by_hand(counts, programs, units, chunk):
+    got_units, ends, got_chunk = partition(counts, programs)
+    assert got_units == units and ends == np.cumsum(units).tolist() and got_chunk == chunk
+
+
+def test_padding_entries_hold_no_units():
+    """Entries past the lists take no units and leave the others' places as they were."""
+    units, ends, chunk = partition([16, 99, 16], 6, valid=[True, False, True])
+    assert units == [4, 0, 4] and ends == [4, 4, 8] and chunk == 2
 
 
 def attend(rng, *, lengths, budgets, hkv, r, d, programs, run_lengths=None):
@@ -60,9 +68,11 @@ def attend(rng, *, lengths, budgets, hkv, r, d, programs, run_lengths=None):
 
 
 @pytest.mark.parametrize("r,d,programs", [
-    (4, 128, 64),       # lists split unevenly, the long ones most
-    (5, 64, 12),        # a group of 5 (a junk row), programs equal to the lists
-    (2, 64, 40)])       # idle programs past the shares' sum
+    (4, 128, 64),       # more programs than units: one unit each, the others idle
+    (5, 64, 12),        # a group of 5 (a junk row), three units a program (36 units)
+    (2, 64, 40),
+    (4, 64, 5),         # fewer programs than lists: each runs across several lists' ends
+    (2, 128, 7)])       # units that do not divide among the programs
 def test_matches_float64_reference(r, d, programs):
     """Issue 5's lengths and budgets: one page to many blocks a row."""
     got, want = attend(np.random.default_rng(r * 100 + d), lengths=KERNEL_LENGTHS,
@@ -70,12 +80,13 @@ def test_matches_float64_reference(r, d, programs):
     assert_kernel_close(got, want, low_precision=True)
 
 
-@pytest.mark.parametrize("programs", [24, 40])
+@pytest.mark.parametrize("programs", [4, 40])
 def test_a_long_row_beside_finished_ones(programs):
-    """A static batch's tail: one row at 60 pages with a budget of 40, three finished rows
-    reading one page (as the engine runs them); 24 programs (7 splits for each of the long
-    row's lists) and 40 (10, more than one merge chunk); the long row's output as the
-    reference has it, a zero-length row zeros."""
+    """A static batch's tail: one row at 60 pages with a budget of 40 (10 blocks a list),
+    three finished rows reading one page (as the engine runs them), 26 units; 4 programs (7
+    units each: the second runs from one of the long row's lists into the next) and 40 (26
+    used, one unit each: 10 partial results a long list, more than one merge chunk); the
+    long row's output as the reference has it, a zero-length row zeros."""
     got, want = attend(np.random.default_rng(7), lengths=[960, 16, 16, 16],
                        run_lengths=[960, 16, 16, 0], budgets=[40, 40, 40, 40], hkv=2, r=4,
                        d=64, programs=programs)
