@@ -19,9 +19,9 @@ that small batches still fill the GPU, and the splits' partial results are merge
   (H100), and a grid with more splits a row made every step pay for its idle programs and a
   padded merge (+0.18 ms a step at 19 rows). The blocks are laid end to end
   (:func:`list_units`) and program ``p`` takes its share of them
-  (:func:`units_per_program`), across lists' ends where they fall: whole lists a program would
-  leave programs idle when the lists and the wave do not divide (at 34 rows of 8 KV heads,
-  272 lists in 528 programs got one program each, half the wave idle, each list's attention
+  (:func:`units_per_program`), across lists' ends where they fall. Programs that each stay
+  inside one list leave some idle when the lists do not divide the wave (at 34 rows of 8 KV
+  heads, 272 lists in 528 programs got one program each: half the wave idle, the attention
   twice its bytes' time; H200). For each list it touches, a program writes its partial
   result and counts its arrival on the list; the list's last program to arrive merges the
   list's partials (one launch, no merge kernel after it).

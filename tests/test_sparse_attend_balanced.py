@@ -33,7 +33,7 @@ def partition(counts, programs, block_pages=4, valid=None):
     # the 12th none); program 2 holds the first list's last 2 units and the second's first.
     ([32, 32, 32, 32], 12, [8, 8, 8, 8], 3),
     # A lone long list (65 blocks) beside three of one block: 68 units, 6 a program; the
-    # 12th holds the long list's last 2 units and all three short lists.
+    # 11th holds the long list's last 5 units and the first short list, the 12th the others.
     ([260, 1, 4, 2], 12, [65, 1, 1, 1], 6),
     # An empty list holds one unit; programs past the units hold none.
     ([8, 0], 100, [2, 1], 1),
@@ -70,7 +70,7 @@ def attend(rng, *, lengths, budgets, hkv, r, d, programs, run_lengths=None):
 @pytest.mark.parametrize("r,d,programs", [
     (4, 128, 64),       # more programs than units: one unit each, the others idle
     (5, 64, 12),        # a group of 5 (a junk row), three units a program (36 units)
-    (2, 64, 40),
+    (2, 64, 40),        # more programs than units too, at another group and width
     (4, 64, 5),         # fewer programs than lists: each runs across several lists' ends
     (2, 128, 7)])       # units that do not divide among the programs
 def test_matches_float64_reference(r, d, programs):
