@@ -457,8 +457,6 @@ def _interpret(interpret):
     return pltpu.InterpretParams() if interpret else False
 
 
-
-
 def sparse_decode_tpu(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                       page_table: jax.Array, lengths: jax.Array, budget_pages: jax.Array, *,
                       page_size: int = 16, scorer: str = "centroid",

@@ -221,7 +221,8 @@ def plot(results: list[dict], path: str, smooth: int, threshold: float = 0.86) -
                       label=f"seed {r['seed']}: GRPO alone")
         ax_r.plot(*_smooth(curves["reward_mean"], smooth), color=c,
                   ls="-" if r["arm"] == "on" else ":",
-                  label=f"seed {r['seed']}: {'DistillSparse' if r['arm'] == 'on' else 'GRPO alone'}")
+                  label=f"seed {r['seed']}: "
+                        f"{'DistillSparse' if r['arm'] == 'on' else 'GRPO alone'}")
     ax_a.axhline(threshold, color="gray", lw=0.8)
     ax_a.set(xlabel="step", ylabel="alpha p5 (paper), training rollouts",
              title=f"tail alpha, {smooth}-step moving average")

@@ -6,7 +6,7 @@ GB, more than one H200 holds) likewise, and a few steps of a real ``sparrow trai
 demo config on a mesh over all the GPUs. Meshes are ``d,f,t`` with -1 for "all the GPUs left"
 (``--rollout-meshes one 2,1,1`` names a fixed one).
 
-    bash scripts/multi_gpu.sh --commit <sha>       # a multi-GPU machine (.whl carried); JSON to $OUT
+    bash scripts/multi_gpu.sh --commit <sha>   # a multi-GPU machine (.whl carried); JSON to $OUT
     XLA_FLAGS=--xla_force_host_platform_device_count=2 JAX_PLATFORMS=cpu \\
         .venv/bin/python scripts/multi_gpu.py --tiny  # CPU dry run: every shape shrunk
 

@@ -1,7 +1,8 @@
 """sparrow-jax: long-context RL of LLMs with sparse rollouts (paged top-k attention).
 
-The public names (the README's "Using it"; docs/design.md) are importable from here; each is loaded on first use so
-that ``import sparrow_jax`` stays cheap and optional dependencies stay optional.
+The public names (the README's "Using it"; docs/design.md) are importable from here; each is
+loaded on first use so that ``import sparrow_jax`` stays cheap and optional dependencies stay
+optional.
 """
 
 from __future__ import annotations

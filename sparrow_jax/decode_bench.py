@@ -106,8 +106,8 @@ def measure(shape: DecodeShape, batch: int, context: int, budget_tokens: int, *,
     """The sparse step (``sparse_decode(impl=impl)``) and dense paged attention
     (``paged_attention(impl="auto")``, the engine's dense decode) on one random case -> a row:
     seconds a call of each (marginal), the sparse step's error against the reference in
-    float32 products (max abs over max abs), ``x_dense`` (dense time over sparse time), the bytes each must move
-    and, given ``ceiling_gbs``, each one's share of it."""
+    float32 products (max abs over max abs), ``x_dense`` (dense time over sparse time), the
+    bytes each must move and, given ``ceiling_gbs``, each one's share of it."""
     shape.check(context, budget_tokens)
     q, k_pages, v_pages, centroids, table, lengths = random_case(shape, batch, context, seed)
     pages = budget_tokens // shape.page_size

@@ -20,7 +20,6 @@ import pytest
 jax.config.update("jax_default_matmul_precision", "highest")
 
 
-
 @pytest.fixture(autouse=True, scope="module")
 def _release_compiled_programs():
     """Drops JAX's compiled programs after each test module. Every XLA:CPU executable keeps its

@@ -230,7 +230,6 @@ def test_similar_batches_reuse_one_compilation(model):
     assert run_chunk._cache_size() == before
 
 
-
 def test_decode_loop_weights_are_in_the_compute_dtype():
     from sparrow_jax.rollout.engine import model_params
 

@@ -32,7 +32,6 @@ def _config(run_dir, **over) -> TrainConfig:
     return from_dict(TrainConfig, cfg)
 
 
-
 def _np_logprobs(model, rollout, temperature: float) -> np.ndarray:
     """``[S, R]`` log-probs of the sampled response tokens under ``model``, from its full
     logits in float64 (zero past each response)."""

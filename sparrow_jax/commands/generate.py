@@ -171,4 +171,3 @@ def run(args: argparse.Namespace) -> int:
           f"(compilation included), {100 * sparse:.0f}% of steps sparse; schedule "
           f"{args.schedule}", file=sys.stderr)
     return 0
-

@@ -59,7 +59,8 @@ class Linear(nnx.Module):
         self.dtype = dtype
 
     def add_lora(self, rank: int, scale: float, key: jax.Array, param_dtype=jnp.float32):
-        """Attaches a LoRA adapter; B starts at zero so the adapted layer starts equal to the base."""
+        """Attaches a LoRA adapter; B starts at zero, so the adapted layer starts equal to the
+        base."""
         in_features, out_features = self.kernel[...].shape
         self.lora_a = LoRAParam(
             jax.random.normal(key, (in_features, rank), param_dtype) * in_features ** -0.5)

@@ -63,7 +63,8 @@ def _prepare_messages(messages: Sequence[dict]) -> list[dict]:
     out = []
     for m in messages:
         if not isinstance(m, dict):
-            raise TokenizerError(f"chat messages must be dicts with 'role' and 'content', got {m!r}")
+            raise TokenizerError(
+                f"chat messages must be dicts with 'role' and 'content', got {m!r}")
         m = {k: v for k, v in m.items() if v is not None}
         reasoning = next((m[k] for k in _REASONING_FIELDS if m.get(k) is not None), None)
         if reasoning is not None:
@@ -100,7 +101,8 @@ class Tokenizer:
         path = Path(path)
         tok_file = path / "tokenizer.json"
         if not tok_file.is_file():
-            raise TokenizerError(f"no tokenizer.json in {path} (only fast tokenizers are supported)")
+            raise TokenizerError(
+                f"no tokenizer.json in {path} (only fast tokenizers are supported)")
         backend = Backend.from_file(str(tok_file))
         cfg_file = path / "tokenizer_config.json"
         cfg = json.loads(cfg_file.read_text()) if cfg_file.is_file() else {}
