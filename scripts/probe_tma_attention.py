@@ -207,6 +207,22 @@ def attention_call(c: Compiled, warps: int, grid: tuple[int, int]):
     return run
 
 
+def pallas_call(name: str, batch: int, budget_pages: int):
+    """The Pallas attention (the sparse step's default ``balanced``, or ``even`` splits) on
+    the probe's inputs, merge included: ``run(q, k, v, phys, slot, count, lengths) -> out``
+    ``[B, Hq, D]``, q's shape and dtype, so that chained calls feed each other."""
+    from pallas_kernels.paged_attend_gpu import attend_page_lists
+    from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning
+    tuning = GpuDecodeTuning(balanced=name == "balanced").resolve(
+        page_size=P, batch=batch, kv_heads=HKV, max_pages=budget_pages)
+
+    def run(q, k, v, phys, slot, count, lengths):
+        return attend_page_lists(q, k, v, phys.reshape(batch, HKV, -1),
+                                 slot.reshape(batch, HKV, -1), count.reshape(batch, HKV, 1),
+                                 lengths, page_size=P, tuning=tuning)
+    return run
+
+
 def make_case(batch: int, context: int, budget_pages: int, seed: int = 0):
     """K and V pools of ``batch`` sequences of ``context`` tokens, and each (row, KV head)'s
     page list: page 0, the last two and random others, ``budget_pages`` in page order."""
@@ -259,6 +275,8 @@ def main():
     ap.add_argument("--variants", nargs="+", default=[
         "ptr_bp4_w2_s1", "ptr_bp4_w4_s2", "tma_bp1_w4_s3", "tma_bp1_w4_s5", "tma_bp2_w4_s3",
         "tma_bp1_w2_s4", "tma_bp4_w4_s2", "tma_bp1_w4_s3_ws"])
+    ap.add_argument("--pallas", nargs="*", default=["balanced", "even"],
+                    help="the Pallas attention kernels timed beside (merge included)")
     ap.add_argument("--splits", type=int, nargs="*", default=None,
                     help="splits a list at each batch (default: ~4 programs an SM)")
     ap.add_argument("--chain", type=int, default=20)
@@ -268,10 +286,11 @@ def main():
     args = ap.parse_args()
 
     def parse(label):
+        label, _, splits = label.partition("@")
         parts = label.split("_")
         return Variant(parts[0], int(parts[1][2:]), int(parts[2][1:]), int(parts[3][1:]),
-                       len(parts) > 4 and parts[4] == "ws")
-    variants = [parse(x) for x in args.variants]
+                       len(parts) > 4 and parts[4] == "ws"), int(splits or 0)
+    variants = [parse(x)[0] for x in args.variants]
     sms = 132 if args.compile_only else sm_count()
     rows_all = {b: b * HKV for b in args.batches}
     results = []
@@ -296,28 +315,41 @@ def main():
         checked = sorted({0, rows - 1, rows // 2})
         ref = reference(case, checked)
         nbytes = rows * args.budget_pages * 2 * P * D * 2
-        for v in variants:
+        for name in args.pallas:
+            t = marginal_seconds(pallas_call(name, batch, args.budget_pages), inputs,
+                                 args.chain, args.repeats)
+            got = np.asarray(pallas_call(name, batch, args.budget_pages)(*inputs)
+                             .astype(jnp.float32)).reshape(rows, R, D)[checked]
+            err = float(np.max(np.abs(got - ref)))
+            rec = dict(batch=batch, variant=name, us=t * 1e6, gb_s=nbytes / t / 1e9,
+                       of_ceiling=nbytes / t / 1e9 / ceiling, max_abs_err=err)
+            results.append(rec)
+            print(f"b{batch:<3} {name:22s} {'':10s} {t * 1e6:8.1f} us "
+                  f"{rec['of_ceiling']:6.1%} of ceiling  err {err:.2e}", flush=True)
+        for label in args.variants:
+            v, vsplits = parse(label)
+            vsplits = vsplits or splits
             try:
-                c = compile_variant(v, n_pages, args.budget_pages, splits)
+                c = compile_variant(v, n_pages, args.budget_pages, vsplits)
             except Exception as e:  # noqa: BLE001
                 print(batch, v.label, "compile FAILED", str(e).splitlines()[-1][:300])
                 continue
-            run = attention_call(c, v.warps, (rows, splits))
-            carry = (jnp.zeros((batch, HKV, splits, RPAD, D), jnp.float32),
-                     jnp.zeros((batch, HKV, splits, RPAD), jnp.float32),
-                     jnp.zeros((batch, HKV, splits, RPAD), jnp.float32),
-                     jnp.zeros((max(c.scratch, 1) * rows * splits,), jnp.uint8))
+            run = attention_call(c, v.warps, (rows, vsplits))
+            carry = (jnp.zeros((batch, HKV, vsplits, RPAD, D), jnp.float32),
+                     jnp.zeros((batch, HKV, vsplits, RPAD), jnp.float32),
+                     jnp.zeros((batch, HKV, vsplits, RPAD), jnp.float32),
+                     jnp.zeros((max(c.scratch, 1) * rows * vsplits,), jnp.uint8))
             o, m, l, _ = jax.jit(run)(carry, *inputs)
             got = np.asarray(merge_splits(o, m, l, R)).reshape(rows, R, D)[checked]
             err = float(np.max(np.abs(got - ref)))
             t = marginal_seconds(lambda cy, *xs: run(cy, *xs), (carry, *inputs),
                                  args.chain, args.repeats)
-            rec = dict(batch=batch, variant=v.label, splits=splits, us=t * 1e6,
+            rec = dict(batch=batch, variant=label, splits=vsplits, us=t * 1e6,
                        gb_s=nbytes / t / 1e9, of_ceiling=nbytes / t / 1e9 / ceiling,
                        max_abs_err=err, regs=c.regs, spills=c.spills, shared=c.shared,
                        scratch=c.scratch)
             results.append(rec)
-            print(f"b{batch:<3} {v.label:22s} splits {splits:3d} {t * 1e6:8.1f} us "
+            print(f"b{batch:<3} {label:22s} splits {vsplits:3d} {t * 1e6:8.1f} us "
                   f"{rec['of_ceiling']:6.1%} of ceiling  err {err:.2e}  regs {c.regs} "
                   f"smem {c.shared}", flush=True)
     if args.out:
