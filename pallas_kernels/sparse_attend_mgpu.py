@@ -5,14 +5,16 @@ result as :func:`pallas_kernels.paged_attend_gpu.attend_page_lists`: the page li
 :func:`~pallas_kernels.sparse_decode_gpu.select_page_lists`, attended with online softmax,
 split into ``splits`` parts merged by :func:`~pallas_kernels.paged_attend_gpu.merge_splits`.
 
-Why a second kernel: the Triton-lowered one gathers each 4 KB page with computed pointers,
-and reads at about 78% of an H100's read ceiling (BENCHMARKS.md, run I). Here each page of K
-and of V is one TMA copy into shared memory (jax-triton cannot launch Triton's TMA
-descriptors: notes/kernel_notes.md), ``stages - 1`` blocks of ``block_pages`` pages in flight
-per program while the matrix unit works on the current one. Hopper's matrix instructions take 64
-rows: a KV head's query heads are padded to 64 (the extra products are cheap next to the page
-reads). Experimental: checked against the float64 reference in Mosaic GPU's interpret mode on
-CPU; not yet compiled or timed on a GPU, and not what ``impl="auto"`` runs.
+Why a second kernel: the Triton-lowered one gathers each 4 KB page with computed pointers
+into registers; here each page of K and of V is one TMA copy into shared memory, ``stages -
+1`` blocks of ``block_pages`` pages in flight per program while the matrix unit works on the
+current one. Hopper's matrix instructions take 64 rows: a KV head's query heads are padded
+to 64 (the extra products are cheap next to the page reads). Measured, it is 12-24% slower
+than the Pallas attention on an H100 (BENCHMARKS.md, run J), and a Triton attention with one
+TMA copy a page, launched with the global scratch that jaxlib does not pass, is no faster
+either (run AF): Hopper's TMA copies one page at a time, no gather. Kept as the Mosaic GPU
+reference for that comparison (``bench_decode.py --breakdown`` times it); not what
+``impl="auto"`` runs.
 
 Grid (B, Hkv, splits), one warpgroup a program::
 
