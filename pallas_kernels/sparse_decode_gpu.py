@@ -116,11 +116,14 @@ class GpuDecodeTuning:
     balanced: the attention on one wave of programs sharing the lists' blocks evenly
       (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced`) instead of
       ``splits`` for every list (True: ``splits`` unused); None: balanced in the sparse step
-      unless ``splits`` is set, even splits in dense decode. A long row among short or
-      finished ones (a static batch's tail, a refill chunk) gets the programs they leave
-      idle. H100, 32K, budget 2048: one long row beside finished ones 37 -> 28 us a layer at
-      batch 19, 55 -> 26 at 32; every row long, the step +2.3% at batch 19, +3.7% at 32
-      (BENCHMARKS.md, run O).
+      unless ``splits`` is set or the batch is one row, even splits in dense decode. A long
+      row among short or finished ones (a static batch's tail, a refill chunk) gets the
+      programs they leave idle. H100, 32K, budget 2048: one long row beside finished ones
+      37 -> 28 us a layer at batch 19, 55 -> 26 at 32; every row long, the step +2.3% at
+      batch 19, +3.7% at 32 (BENCHMARKS.md, run O). One row's lists are all of one length
+      (its KV heads share its length and budget), so there is nothing to balance and even
+      splits skip the bookkeeping: H200, 32K, budget 2048, the step 18.1-18.4 us against
+      22.0-24.1 (BENCHMARKS.md, kernel run AG).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -140,7 +143,7 @@ class GpuDecodeTuning:
         problem (``summaries``: vectors a page is scored from, 2 for Quest)."""
         bp = self.block_pages or default_block_pages(page_size)
         splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
-        balanced = self.splits is None if self.balanced is None else self.balanced
+        balanced = (self.splits is None and batch > 1) if self.balanced is None else self.balanced
         chunk = self.score_chunk or default_score_chunk(summaries)
         return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced,
                                    score_chunk=chunk)

@@ -126,11 +126,13 @@ def test_the_whole_step_with_balanced_tuning():
                         low_precision=True)
 
 
-@pytest.mark.parametrize("kw,balanced", [({}, True), (dict(splits=2), False),
-                                         (dict(balanced=False), False),
-                                         (dict(balanced=True, splits=2), True)])
-def test_which_attention_the_settings_choose(kw, balanced):
-    """The sparse step's default is the balanced attention; a fixed split count asks for even
-    splits, unless balanced is asked for too."""
-    got = GpuDecodeTuning(**kw).resolve(page_size=P, batch=4, kv_heads=2, max_pages=64)
+@pytest.mark.parametrize("kw,batch,balanced", [
+    ({}, 4, True), ({}, 2, True), ({}, 1, False), (dict(splits=2), 4, False),
+    (dict(balanced=False), 4, False), (dict(balanced=True, splits=2), 4, True),
+    (dict(balanced=True), 1, True)])
+def test_which_attention_the_settings_choose(kw, batch, balanced):
+    """The sparse step's default is the balanced attention, but for one row (whose lists are
+    all of one length); a fixed split count asks for even splits, unless balanced is asked
+    for too, which holds for one row as well."""
+    got = GpuDecodeTuning(**kw).resolve(page_size=P, batch=batch, kv_heads=2, max_pages=64)
     assert got.balanced is balanced and got.splits >= 1
