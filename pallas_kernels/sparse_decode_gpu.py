@@ -122,9 +122,10 @@ class GpuDecodeTuning:
       37 -> 28 us a layer at batch 19, 55 -> 26 at 32; every row long, the step +2.3% at
       batch 19, +3.7% at 32 (BENCHMARKS.md, run O). One row's lists are all of one length
       (its KV heads share its length and budget), so there is nothing to balance, while the
-      balanced attention's last program a list merges many partial results one after
-      another: H200, 32K, the step's device time 14.9 / 18.6 / 20.4 us against 16.4 / 20.5 /
-      26.6 at budgets 512 / 2048 / 4096 (BENCHMARKS.md, kernel run AG).
+      balanced attention gives each program one block and each list's last program merges
+      all their partial results (64 at budget 4096): H200, 32K, the step's device time 14.9
+      / 18.6 / 20.4 us against 16.4 / 20.5 / 26.6 at budgets 512 / 2048 / 4096
+      (BENCHMARKS.md, kernel run AG).
     """
     block_pages: int | None = None
     splits: int | None = None
