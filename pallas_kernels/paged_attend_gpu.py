@@ -11,7 +11,8 @@ that small batches still fill the GPU, and the splits' partial results are merge
   least one split per :data:`TABLE_SPLIT_PAGES` pages, :func:`table_splits`), merged in XLA
   (:func:`merge_splits`).
 - :func:`attend_page_lists_balanced` and :func:`attend_table_balanced`
-  (``GpuDecodeTuning.balanced``; the sparse step's default, dense decode keeps even splits):
+  (``GpuDecodeTuning.balanced``; the sparse step's default from two rows, dense decode keeps
+  even splits):
   one wave of programs sharing the lists' blocks of pages evenly (stream-K), so that a long
   row beside finished or short ones (a static batch's tail, a continuous-refill chunk) is
   not left to the batch's even split: at 32K with 18 of 19 rows finished, the even split

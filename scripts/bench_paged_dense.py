@@ -51,7 +51,8 @@ def main(argv=None):
                     help="the engine's kernel also with these fixed split counts")
     ap.add_argument("--balanced", action="store_true",
                     help="the engine's kernel also with its programs shared out by the rows' "
-                         "pages (GpuDecodeTuning(balanced=True), the sparse step's default)")
+                         "pages (GpuDecodeTuning(balanced=True), the sparse step's default "
+                         "from two rows)")
     ap.add_argument("--out", default=None, help="JSON lines file")
     args = ap.parse_args(argv)
     print(f"backend {jax.default_backend()}, device {jax.devices()[0].device_kind}, "
