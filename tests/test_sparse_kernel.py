@@ -278,6 +278,37 @@ def test_negative_and_zero_scores_order_correctly():
         assert got[i, 0] == select_pages_np(scores, n_total, int(budget)), budget
 
 
+@pytest.mark.parametrize("shape", ["geometric", "outlier", "clusters", "two_values"])
+def test_threshold_search_on_hard_score_shapes(shape):
+    """Score shapes that a search placing thresholds by interpolation finds hard (growth over
+    many orders of magnitude, both signs; one outlier far above a narrow band; tight clusters far
+    apart; two values), each at budgets from one chosen page to all but one candidate, against
+    the reference's ranking (highest score first, ties to the lower page)."""
+    n, d = 300, 8
+    j = np.arange(n, dtype=np.float64)
+    rng = np.random.default_rng(21)
+    vals = {"geometric": np.where(j % 2 == 0, 1.0, -1.0) * 2.0 ** (j / 5 - 30),
+            "outlier": np.where(j == 7, 1e30, 1.0 + 1e-5 * rng.standard_normal(n)),
+            "clusters": rng.choice([-1e6, 0.0, 3e4], n) + 1e-3 * rng.standard_normal(n),
+            "two_values": np.where(j % 3 == 0, 2.0, 1.0)}[shape].astype(np.float32)
+    cent = np.zeros((1, n, d), np.float32)
+    cent[0, :, 0] = vals
+    q = np.zeros((1, 1, d), np.float32)
+    q[0, 0, 0] = 1.0
+    table = rng.permutation(n).astype(np.int32)
+    budgets = np.array([4, 5, 20, 64, 150, n - 2, n - 1], np.int32)
+    rows = len(budgets)
+    phys, slots, count = select_page_lists(
+        jnp.asarray(np.repeat(q, rows, 0)), jnp.asarray(cent),
+        jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n * P, jnp.int32),
+        jnp.asarray(budgets), page_size=P, max_pages=n, interpret=INTERPRET)
+    got, _ = lists_as_sets(phys, slots, count)
+    scores = np.full(n, -np.inf)
+    scores[1:n - 2] = cent[0, table[1:n - 2], 0]
+    for i, budget in enumerate(budgets):
+        assert got[i, 0] == select_pages_np(scores, n, int(budget)), budget
+
+
 def test_zero_length_row_gives_zeros():
     """Under jit (lengths traced, not checkable) a row of length 0 returns zeros, not NaN; a
     concrete 0 is rejected, as by sparse_decode."""
