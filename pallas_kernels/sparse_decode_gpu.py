@@ -7,10 +7,9 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    ``sum_d max(q_d kmax_d, q_d kmin_d)``), turned into int32 keys whose signed order is the
    order of the scores (ineligible slots get the smallest key). Reads one key-sized vector per
    page of the row (two for Quest), nothing past it (masked loads).
-2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a threshold
-   search over the row held on chip (no sort: one block-wide count a round, each round's
-   threshold interpolated between two bounds on the key, later ones halving them, stopping
-   once exactly ``K - 3`` keys reach it), ties to the lower
+2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
+   threshold search (from the sign bit down, one block-wide count per bit over the row held on
+   chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
    page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
    are compacted in page order (a prefix sum) into a page list. In the sparse step it also
    zeroes the balanced attention's arrival counter of its list, which would otherwise be an
@@ -58,9 +57,6 @@ from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode
 RESERVED = MIN_BUDGET_PAGES    # page 0 and the last two pages (docs/design.md, section 3)
 _INT_MIN = -(2 ** 31)
 _INT_MAX = 2 ** 31 - 1
-# Threshold-search rounds placed by interpolation before the rest halve the bounds
-# (`_select_kernel`).
-INTERPOLATED_ROUNDS = 8
 # Scalars inside kernels are typed (jnp.int32(0), not 0): the Triton lowering gives a weakly
 # typed constant in jnp.where the predicate's type.
 
@@ -225,46 +221,24 @@ def _select_kernel(key_ref, table_ref, len_ref, budget_ref, phys_ref, slot_ref, 
     def search(keys, slot):
         """(t, need, j) of the keys: the threshold, how many keys equal to it to take, and the
         last slot among those taken."""
-        # t* (the k-th largest key) lies in [lo, hi], with count(keys >= lo) >= k and
-        # count(keys >= hi + 1) < k, from the eligible keys' range (ineligible keys are INT_MIN,
-        # below every eligible one). Each round counts the keys >= one t in (lo, hi] and moves
-        # a bound past it; the rounds stop once exactly k keys reach t (keys >= t are then the
-        # top k, whatever lies between the k-th and (k+1)-th) or the bounds meet at t*. The
-        # first INTERPOLATED_ROUNDS place t where the line through the two bounds' counts
-        # crosses k (regula falsi, Illinois-weighted: a bound kept twice has its weight
-        # halved); then t halves [lo, hi]. On smooth score distributions this takes ~8-13
-        # counts where a bit-by-bit search takes ~16-19 (each a block-wide reduction and
-        # barriers, the selection's dependent chain); at worst ~INTERPOLATED_ROUNDS + 32.
-        lo = jnp.min(jnp.where(keys > jnp.int32(_INT_MIN), keys, jnp.int32(_INT_MAX)))
-        hi = jnp.max(keys)
-        # k = 0: nothing chosen, t = INT_MAX (no key above it, none taken at it).
-        lo, hi = (jnp.where(k == 0, jnp.int32(_INT_MAX), x) for x in (lo, hi))
-        # The bounds' counts less k: n - 3 keys are eligible, none reaches hi + 1.
-        w_lo = (n - RESERVED - k).astype(jnp.float32)
-        w_hi = (-k).astype(jnp.float32)
+        # A threshold T with #(keys >= T) >= k, built from the sign bit down. count(keys >= t)
+        # >= k holds throughout, so each round counts only the candidate with its bit set.
+        # Ineligible keys are INT_MIN and every candidate is larger, so they are never counted.
+        # The rounds stop once exactly k keys reach t: keys >= t are then the top k, whatever
+        # the lower bits (the k-th and (k+1)-th keys first differ at that round's bit, about
+        # half-way down for scores of a few thousand pages). Otherwise t ends as the k-th
+        # largest key (k = 0: INT_MAX, nothing chosen) and ties at t are split below.
+        first = _count(keys >= 0)
+        t = jnp.where(first >= k, jnp.int32(0), jnp.int32(_INT_MIN))
 
         def round_(carry):
-            i, lo, hi, w_lo, w_hi, side, t, _ = carry
-            guess = lo.astype(jnp.float32) + (hi.astype(jnp.float32) + 1.0
-                                              - lo.astype(jnp.float32)) * (w_lo / (w_lo - w_hi))
-            # 2147483520 is the largest float32 below 2 ** 31 (the cast must not overflow).
-            guess = jnp.clip(guess, float(_INT_MIN), 2147483520.0).astype(jnp.int32)
-            # floor((lo + hi) / 2) + 1 without overflow, in (lo, hi].
-            mid = (lo >> 1) + (hi >> 1) + (lo & hi & 1) + 1
-            t = jnp.where(i < INTERPOLATED_ROUNDS, jnp.clip(guess, lo + 1, hi), mid)
-            count = _count(keys >= t)
-            above = count > k                    # t <= t*: the lower bound moves up to t
-            diff = (count - k).astype(jnp.float32)
-            w_lo, w_hi = (jnp.where(above, diff, jnp.where(side > 0, w_lo * 0.5, w_lo)),
-                          jnp.where(above, jnp.where(side < 0, w_hi * 0.5, w_hi), diff))
-            lo, hi = jnp.where(above, t, lo), jnp.where(above, hi, t - 1)
-            side = jnp.where(above, jnp.int32(-1), jnp.int32(1))
-            return i + 1, lo, hi, w_lo, w_hi, side, t, count == k
+            bit, t, _ = carry
+            cand = t | lax.shift_left(jnp.int32(1), bit)
+            count = _count(keys >= cand)
+            return bit - 1, jnp.where(count >= k, cand, t), count == k
 
-        _, lo, _, _, _, _, t, found = lax.while_loop(
-            lambda c: (c[1] < c[2]) & ~c[7], round_,
-            (jnp.int32(0), lo, hi, w_lo, w_hi, jnp.int32(0), lo, k < 0))
-        t = jnp.where(found, t, lo)
+        _, t, _ = lax.while_loop(lambda c: (c[0] >= 0) & ~c[2], round_,
+                                 (jnp.int32(30), t, first == k))
         need = k - _count(keys > t)              # how many keys equal to t to take, >= 0
         equal = keys == t
         size = keys.shape[0]

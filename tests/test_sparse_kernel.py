@@ -280,10 +280,10 @@ def test_negative_and_zero_scores_order_correctly():
 
 @pytest.mark.parametrize("shape", ["geometric", "outlier", "clusters", "two_values"])
 def test_threshold_search_on_hard_score_shapes(shape):
-    """Score shapes that a search placing thresholds by interpolation finds hard (growth over
-    many orders of magnitude, both signs; one outlier far above a narrow band; tight clusters far
-    apart; two values), each at budgets from one chosen page to all but one candidate, against
-    the reference's ranking (highest score first, ties to the lower page)."""
+    """Score shapes hard for a threshold search (growth over many orders of magnitude, both
+    signs; one outlier far above a narrow band; tight clusters far apart; two values), each at
+    budgets from one chosen page to all but one candidate, against the reference's ranking
+    (highest score first, ties to the lower page)."""
     n, d = 300, 8
     j = np.arange(n, dtype=np.float64)
     rng = np.random.default_rng(21)
