@@ -255,58 +255,49 @@ def test_ties_go_to_the_lower_page_index():
     assert got[0, 0] == [0, 2, 4, 6, 10, 11]
 
 
-def test_negative_and_zero_scores_order_correctly():
-    """The float -> int key order across signs, -0.0 equal to 0.0 (ties by index)."""
-    d = 8
-    vals = [0.0, -3.0, -0.0, 1.5, -1.0, 0.0, -0.0, 2.5, -7.0, 9.0, 0.0, 0.0]
-    n_total = len(vals)
-    cent = np.zeros((1, n_total, d), np.float32)
+def assert_selects_by_value(vals, table, budgets):
+    """One KV head, one query head q = e_0 and centroids whose first coordinate is ``vals``
+    (``[N]``, by physical page), so a page's score is its value; one row per budget, each over
+    ``table`` (``[n]``): the kernel's page lists against the reference's ranking."""
+    n, d = len(table), 8
+    cent = np.zeros((1, len(vals), d), np.float32)
     cent[0, :, 0] = vals
     q = np.zeros((1, 1, d), np.float32)
     q[0, 0, 0] = 1.0
-    table = np.arange(n_total, dtype=np.int32)
-    budgets = np.arange(3, n_total + 1, dtype=np.int32)          # one row per budget
     rows = len(budgets)
     phys, slots, count = select_page_lists(
         jnp.asarray(np.repeat(q, rows, 0)), jnp.asarray(cent),
-        jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n_total * P, jnp.int32),
-        jnp.asarray(budgets), page_size=P, max_pages=n_total, interpret=INTERPRET)
+        jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n * P, jnp.int32),
+        jnp.asarray(budgets, jnp.int32), page_size=P, max_pages=n, interpret=INTERPRET)
     got, _ = lists_as_sets(phys, slots, count)
-    scores = np.full(n_total, -np.inf)
-    scores[1:n_total - 2] = cent[0, table[1:n_total - 2], 0]    # qbar = e_0
+    scores = np.full(n, -np.inf)
+    scores[1:n - 2] = cent[0, table[1:n - 2], 0]
     for i, budget in enumerate(budgets):
-        assert got[i, 0] == select_pages_np(scores, n_total, int(budget)), budget
+        assert got[i, 0] == select_pages_np(scores, n, int(budget)), budget
+
+
+def test_negative_and_zero_scores_order_correctly():
+    """The float -> int key order across signs, -0.0 equal to 0.0 (ties by index)."""
+    vals = np.array([0.0, -3.0, -0.0, 1.5, -1.0, 0.0, -0.0, 2.5, -7.0, 9.0, 0.0, 0.0],
+                    np.float32)
+    n = len(vals)
+    assert_selects_by_value(vals, np.arange(n, dtype=np.int32), np.arange(3, n + 1))
 
 
 @pytest.mark.parametrize("shape", ["geometric", "outlier", "clusters", "two_values"])
 def test_threshold_search_on_hard_score_shapes(shape):
     """Score shapes hard for a threshold search (growth over many orders of magnitude, both
     signs; one outlier far above a narrow band; tight clusters far apart; two values), each at
-    budgets from one chosen page to all but one candidate, against the reference's ranking
-    (highest score first, ties to the lower page)."""
-    n, d = 300, 8
+    budgets from one chosen page to all but one candidate, pages scattered over the pool."""
+    n = 300
     j = np.arange(n, dtype=np.float64)
     rng = np.random.default_rng(21)
     vals = {"geometric": np.where(j % 2 == 0, 1.0, -1.0) * 2.0 ** (j / 5 - 30),
             "outlier": np.where(j == 7, 1e30, 1.0 + 1e-5 * rng.standard_normal(n)),
             "clusters": rng.choice([-1e6, 0.0, 3e4], n) + 1e-3 * rng.standard_normal(n),
             "two_values": np.where(j % 3 == 0, 2.0, 1.0)}[shape].astype(np.float32)
-    cent = np.zeros((1, n, d), np.float32)
-    cent[0, :, 0] = vals
-    q = np.zeros((1, 1, d), np.float32)
-    q[0, 0, 0] = 1.0
-    table = rng.permutation(n).astype(np.int32)
-    budgets = np.array([4, 5, 20, 64, 150, n - 2, n - 1], np.int32)
-    rows = len(budgets)
-    phys, slots, count = select_page_lists(
-        jnp.asarray(np.repeat(q, rows, 0)), jnp.asarray(cent),
-        jnp.asarray(np.tile(table, (rows, 1))), jnp.full((rows,), n * P, jnp.int32),
-        jnp.asarray(budgets), page_size=P, max_pages=n, interpret=INTERPRET)
-    got, _ = lists_as_sets(phys, slots, count)
-    scores = np.full(n, -np.inf)
-    scores[1:n - 2] = cent[0, table[1:n - 2], 0]
-    for i, budget in enumerate(budgets):
-        assert got[i, 0] == select_pages_np(scores, n, int(budget)), budget
+    assert_selects_by_value(vals, rng.permutation(n).astype(np.int32),
+                            [4, 5, 20, 64, 150, n - 2, n - 1])
 
 
 def test_zero_length_row_gives_zeros():
