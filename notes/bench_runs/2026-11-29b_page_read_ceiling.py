@@ -10,7 +10,9 @@ bf16, pages a random permutation of the pool):
   decode's splits, ``table_splits``).
 - ``xla_gather_sum``: XLA's gather of the same pages fused into a sum.
 - ``attention``: the sparse step's attention (``attend_page_lists``, the default tuning) over
-  the same lists.
+  the same lists; ``attention_even``: with even splits (``balanced=False``).
+- ``loads_dots``: ``loads_only`` with the attention's two products (16 rows, ones for q)
+  in place of the adds: its loads and products without the softmax.
 
 Lists: ``--budget`` pages a (row, KV head) drawn without replacement from the row's pages
 (sorted, as the selection's are), or with ``--budget 0`` every page of the row (dense decode's
@@ -31,6 +33,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax import lax
 from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attend_gpu import attend_page_lists, default_splits, table_splits
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning
@@ -39,23 +42,31 @@ from sparrow_jax.benchmarking import marginal_seconds, read_ceiling
 P, D, HKV, HQ = 16, 128, 8, 32
 
 
-def _loads_kernel(x_ref, k_ref, v_ref, phys_ref, o_ref, *, block_pages, splits, count):
+def _loads_kernel(x_ref, k_ref, v_ref, phys_ref, o_ref, *, block_pages, splits, count, dots):
     s = pl.program_id(2)
     blocks = count // block_pages
     per = (blocks + splits - 1) // splits
     start, stop = s * per, jnp.minimum(s * per + per, blocks)
+    bk = block_pages * P
 
     def body(i, acc):
         phys = phys_ref[pl.ds(i * block_pages, block_pages)]
-        k = k_ref[phys].reshape(block_pages * P, D).astype(jnp.float32)
-        v = v_ref[phys].reshape(block_pages * P, D).astype(jnp.float32)
-        return acc + k + v
+        k = k_ref[phys].reshape(bk, D)
+        v = v_ref[phys].reshape(bk, D)
+        if not dots:
+            return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
+        # The attention's two products on 16 rows, without its softmax or masks.
+        q = jnp.ones((16, D), k.dtype)
+        logits = plgpu.dot(q, k, trans_b=True)                             # [16, bk]
+        return acc + plgpu.dot(logits.astype(v.dtype), v)                  # [16, D]
 
-    acc = lax.fori_loop(start, stop, body, jnp.zeros((block_pages * P, D), jnp.float32))
+    shape = (16, D) if dots else (bk, D)
+    acc = lax.fori_loop(start, stop, body, jnp.zeros(shape, jnp.float32))
     o_ref[...] = jnp.sum(acc, axis=0) + x_ref[...]
 
 
-def loads_only(x, k_pages, v_pages, lists, *, block_pages, splits, warps, interpret):
+def loads_only(x, k_pages, v_pages, lists, *, block_pages, splits, warps, interpret,
+               dots=False):
     """x ``[B, Hkv, S, D]`` float32 (the chain's carry), pages ``[Hkv, N, P, D]``, lists
     ``[B, Hkv, L]`` -> ``[B, Hkv, S, D]``: each split's sum of its pages plus x."""
     b, hkv, count = lists.shape
@@ -63,7 +74,7 @@ def loads_only(x, k_pages, v_pages, lists, *, block_pages, splits, warps, interp
     pages = pl.BlockSpec((None, n_total, P, D), lambda bi, hi, si: (hi, 0, 0, 0))
     part = pl.BlockSpec((None, None, None, D), lambda bi, hi, si: (bi, hi, si, 0))
     kernel = functools.partial(_loads_kernel, block_pages=block_pages, splits=splits,
-                               count=count)
+                               count=count, dots=dots)
     return pl.pallas_call(
         kernel, grid=(b, hkv, splits),
         in_specs=[part, pages, pages,
@@ -76,6 +87,8 @@ def loads_only(x, k_pages, v_pages, lists, *, block_pages, splits, warps, interp
 def xla_gather_sum(x, k_pages, v_pages, lists):
     """x a float32 scalar -> the sum of the listed pages' K and V, scaled down, plus x."""
     take = jax.vmap(lambda pages, idx: pages[idx], in_axes=(0, 1))   # [Hkv, B, L, P, D]
+    # x in the indices (always 0), or XLA hoists the sum out of the chain.
+    lists = lists + (x > 1e30).astype(lists.dtype)
     total = (jnp.sum(take(k_pages, lists).astype(jnp.float32))
              + jnp.sum(take(v_pages, lists).astype(jnp.float32)))
     return total * 1e-9 + x
@@ -132,6 +145,14 @@ def main():
                                                       interpret=interp),
                       (q, k_pages, v_pages, lists, slots, cnt, lengths)),
     }
+    even = GpuDecodeTuning(balanced=False).resolve(page_size=P, batch=b, kv_heads=HKV,
+                                                   max_pages=count)
+    cases["attention_even"] = (
+        lambda x, *a: attend_page_lists(x, *a, page_size=P, tuning=even, interpret=interp),
+        (q, k_pages, v_pages, lists, slots, cnt, lengths))
+    cases["loads_dots_b4w2"] = (
+        functools.partial(loads_only, block_pages=4, splits=splits, warps=2,
+                          interpret=interp, dots=True), (x0, k_pages, v_pages, lists))
     for bp, w in ((4, 2), (4, 4), (8, 4), (2, 2)):
         if count % bp == 0:
             cases[f"loads_only_b{bp}w{w}"] = (
