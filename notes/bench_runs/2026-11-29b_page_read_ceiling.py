@@ -12,7 +12,8 @@ bf16, pages a random permutation of the pool):
 - ``attention``: the sparse step's attention (``attend_page_lists``, the default tuning) over
   the same lists; ``attention_even``: with even splits (``balanced=False``).
 - ``loads_dots``: ``loads_only`` with the attention's two products (16 rows, ones for q)
-  in place of the adds: its loads and products without the softmax.
+  in place of the adds: its loads and products without the softmax; ``loads_fma``: four
+  heads' products as float32 multiplies and sums instead (no matrix units).
 
 Lists: ``--budget`` pages a (row, KV head) drawn without replacement from the row's pages
 (sorted, as the selection's are), or with ``--budget 0`` every page of the row (dense decode's
@@ -55,12 +56,21 @@ def _loads_kernel(x_ref, k_ref, v_ref, phys_ref, o_ref, *, block_pages, splits, 
         v = v_ref[phys].reshape(bk, D)
         if not dots:
             return acc + k.astype(jnp.float32) + v.astype(jnp.float32)
+        if dots == "fma":
+            # Four query heads' products on the CUDA cores, each a sum over D then over the
+            # block's tokens, in float32 registers (no shared-memory operand layouts).
+            k32, v32 = k.astype(jnp.float32), v.astype(jnp.float32)
+            row = lax.broadcasted_iota(jnp.int32, (16, D), 0)
+            for r in range(4):
+                out = jnp.sum(jnp.sum(k32 * (0.01 * (r + 1)), axis=1)[:, None] * v32, axis=0)
+                acc = acc + jnp.where(row == r, out[None, :], 0.0)
+            return acc
         # The attention's two products on 16 rows, without its softmax or masks.
         q = jnp.ones((16, D), k.dtype)
         logits = plgpu.dot(q, k, trans_b=True)                             # [16, bk]
         return acc + plgpu.dot(logits.astype(v.dtype), v)                  # [16, D]
 
-    shape = (16, D) if dots else (bk, D)
+    shape = (16, D) if dots else (bk, D)      # "fma": the first 4 rows used
     acc = lax.fori_loop(start, stop, body, jnp.zeros(shape, jnp.float32))
     o_ref[...] = jnp.sum(acc, axis=0) + x_ref[...]
 
@@ -150,6 +160,9 @@ def main():
     cases["attention_even"] = (
         lambda x, *a: attend_page_lists(x, *a, page_size=P, tuning=even, interpret=interp),
         (q, k_pages, v_pages, lists, slots, cnt, lengths))
+    cases["loads_fma_b4w2"] = (
+        functools.partial(loads_only, block_pages=4, splits=splits, warps=2,
+                          interpret=interp, dots="fma"), (x0, k_pages, v_pages, lists))
     cases["loads_dots_b4w2"] = (
         functools.partial(loads_only, block_pages=4, splits=splits, warps=2,
                           interpret=interp, dots=True), (x0, k_pages, v_pages, lists))
