@@ -41,6 +41,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -49,7 +50,10 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
-                                             pow2)
+                                             pow2, sm_count)
+from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda, default_cuda_splits
+from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
+from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, order_key
 from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode_args,
                                                checked_summaries)
@@ -63,6 +67,35 @@ _INT_MAX = 2 ** 31 - 1
 
 def _is_pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
+
+
+ATTEND_IMPLS = ("auto", "cuda", "pallas")
+
+
+def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
+    """``GpuDecodeTuning.attend`` decided for these arguments: "cuda" or "pallas"; an
+    explicit "cuda" that cannot run raises one line saying why. "auto" falls back to pallas
+    silently for arguments the CUDA kernel does not take (a float32 cache, another head
+    size), with a warning when it is the machine that lacks what it needs."""
+    if choice == "pallas" or (choice == "auto" and interpret):
+        return "pallas"
+    why = cuda_unsupported_args(q, k_pages, page_size)
+    if why is None:
+        why = ("it runs on a GPU only, not in interpret mode" if interpret
+               else cuda_unavailable())
+        if why is not None and choice == "auto":
+            _warn_fallback(why)
+    if why is None:
+        return "cuda"
+    if choice == "cuda":
+        raise ValueError(f"GpuDecodeTuning(attend='cuda'): {why}")
+    return "pallas"
+
+
+def _warn_fallback(why: str) -> None:
+    # Python's default filter shows it once per run.
+    warnings.warn(f"sparse decode: the Pallas attention instead of the faster CUDA one: {why}",
+                  stacklevel=3)
 
 
 def check_launch_settings(tuning) -> None:
@@ -126,6 +159,16 @@ class GpuDecodeTuning:
       all their partial results (64 at budget 4096): H200, 32K, the step's device time 14.9
       / 18.6 / 20.4 us against 16.4 / 20.5 / 26.6 at budgets 512 / 2048 / 4096
       (BENCHMARKS.md, kernel run AG).
+    attend: the attention over the lists: ``"cuda"``
+      (:func:`pallas_kernels.sparse_attend_cuda.attend_page_lists_cuda`: each warp streams
+      its pages through shared memory while it computes; H200, 32K, budget 2048: the
+      attention 66-69 us against 90 at batch 32, BENCHMARKS.md, kernel run AJ),
+      ``"pallas"`` (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists`, the only one
+      in interpret mode), or ``"auto"``: cuda where it runs (bf16, head_dim 128, page 16,
+      an NVIDIA GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
+      cuda, ``splits`` sets its splits (None:
+      :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`) and ``block_pages``,
+      ``attend_warps``, ``attend_stages`` and ``balanced`` are unused.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -135,16 +178,22 @@ class GpuDecodeTuning:
     attend_warps: int = 2
     attend_stages: int = 1
     balanced: bool | None = None
+    attend: str = "auto"
 
     def __post_init__(self):
         check_launch_settings(self)
+        if self.attend not in ATTEND_IMPLS:
+            raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
 
     def resolve(self, *, page_size: int, batch: int, kv_heads: int, max_pages: int,
                 summaries: int = 1) -> GpuDecodeTuning:
         """These settings with block_pages, splits, balanced and score_chunk decided for one
         problem (``summaries``: vectors a page is scored from, 2 for Quest)."""
         bp = self.block_pages or default_block_pages(page_size)
-        splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
+        if self.attend == "cuda":
+            splits = self.splits or default_cuda_splits(batch * kv_heads, max_pages, sm_count())
+        else:
+            splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
         balanced = (self.splits is None and batch > 1) if self.balanced is None else self.balanced
         chunk = self.score_chunk or default_score_chunk(summaries)
         return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced,
@@ -386,6 +435,8 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, len
     Quest): no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
     summaries = as_summaries(summaries)
+    tuning = dataclasses.replace(
+        tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret))
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
                             max_pages=max_pages, summaries=len(summaries))
     return _sparse_decode(q, k_pages, v_pages, summaries,
@@ -488,9 +539,15 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
+    cuda = tuning.attend == "cuda"
     phys, slots, count, *arrivals = select_page_lists(
         q, summaries, page_table, lengths, budget_pages, page_size=page_size,
-        max_pages=max_pages, tuning=tuning, interpret=interpret, arrivals=tuning.balanced)
+        max_pages=max_pages, tuning=tuning, interpret=interpret,
+        arrivals=tuning.splits > 1 if cuda else tuning.balanced)
+    if cuda:
+        return attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths,
+                                      splits=tuning.splits,
+                                      arrivals=arrivals[0] if arrivals else None)
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret,
                              arrivals=arrivals[0] if arrivals else None)

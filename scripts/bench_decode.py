@@ -52,6 +52,9 @@ from pallas_kernels.paged_attend_gpu import (attend_page_lists, attend_page_list
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, pad_heads, score_keys,
                                               select_from_keys, select_page_lists,
                                               sparse_decode_pallas)
+from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda
+from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
+from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
@@ -99,14 +102,26 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
     return out.reshape(b, hq, d)
 
 
+def dense_cuda_lists(q, k_pages, v_pages, lists, lengths, *, slots):
+    """Dense decode by the sparse step's CUDA attention: each row's page table as the list of
+    each of its KV heads (``lists`` ``[B, Hkv, M]``)."""
+    count = jnp.broadcast_to((-(-lengths // P))[:, None, None], (*lists.shape[:2], 1))
+    return attend_page_lists_cuda(q, k_pages, v_pages, lists, slots, count.astype(jnp.int32),
+                                  lengths)
+
+
 def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
-    attend_warps=4)); 'a1': the balanced attention."""
+    attend_warps=4)); 'a1': the balanced attention; 'p1': the Pallas attention, 'p0' the CUDA
+    one (neither: "auto", the CUDA one where it runs)."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
-                 t="select_warps", g="attend_stages", v="score_warps", a="balanced")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgva])(\d+)", spec)}
+                 t="select_warps", g="attend_stages", v="score_warps", a="balanced",
+                 p="attend")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvap])(\d+)", spec)}
     if "balanced" in kw:
         kw["balanced"] = bool(kw["balanced"])
+    if "attend" in kw:
+        kw["attend"] = "pallas" if kw["attend"] else "cuda"
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -231,6 +246,11 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
     lone_bytes = HKV * kb * P * D * 2 * 2
 
     parts = {}
+    if q.dtype == jnp.bfloat16 and cuda_unavailable() is None:
+        # The CUDA attention on the same lists, checked like a whole step's.
+        parts["part_attend_cuda"] = (kb * P, attend_page_lists_cuda,
+                                     (q, k_pages, v_pages, phys, slots, count, lengths),
+                                     b * HKV * kb * P * D * 2 * 2)
     if minmax is not None:
         quest = given.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb, summaries=2)
 
@@ -368,6 +388,11 @@ def main(argv=None):
     if "marginal" in args.loops:
         ceilings["marginal"] = read_ceiling(small=args.interpret, marginal=True)
         print(f"read ceiling, marginal {ceilings['marginal']:.0f} GB/s", flush=True)
+    cuda_why = (cuda_unsupported_args(jnp.zeros((1, HQ, D), jnp.bfloat16),
+                                      jnp.zeros((HKV, 1, P, D), jnp.bfloat16), P)
+                or cuda_unavailable())
+    if cuda_why:
+        print(f"the CUDA attention is left out: {cuda_why}", flush=True)
     variants = [parse_variant(c) for c in args.kernel_configs.split(",") if c]
     triton_variants = [parse_triton_variant(c) for c in args.triton_configs.split(",") if c]
     rows = []
@@ -395,6 +420,14 @@ def main(argv=None):
                 cases["dense_pallas_paged"] = (None, functools.partial(
                     paged_attention_pallas, interpret=args.interpret),
                                                (q, k_pages, v_pages, table, lengths), dense_bytes)
+            if "dense_cuda_lists" not in args.skip and cuda_why is None:
+                # The CUDA attention over every page of each row (its table as each KV
+                # head's list): dense decode as fast as the sparse step's attention reads.
+                whole = jnp.broadcast_to(table[:, None, :], (b, HKV, m))
+                cases["dense_cuda_lists"] = (None, functools.partial(
+                    dense_cuda_lists, slots=jnp.broadcast_to(
+                        jnp.arange(m, dtype=jnp.int32), (b, HKV, m))),
+                                             (q, k_pages, v_pages, whole, lengths), dense_bytes)
             if "dense_pallas_jax" not in args.skip:
                 cases["dense_pallas_jax"] = (None, functools.partial(
                     paged_attention_pallas_jax, interpret=args.interpret),

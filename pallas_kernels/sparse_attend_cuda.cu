@@ -1,0 +1,331 @@
+// The sparse decode step's attention over page lists (docs/design.md, section 3) as a CUDA C
+// kernel behind an XLA FFI call; built and registered by pallas_kernels/sparse_attend_cuda.py.
+//
+// Why CUDA C: the Pallas and Triton attentions read the listed pages at ~65% of the read
+// ceiling where their loads alone read at ~85% (notes/kernel_notes.md): their per-block
+// products and softmax are not overlapped with the next block's loads. Here each warp streams
+// its own pages through a ring of shared-memory stages by cp.async and runs the products of
+// the page before on the tensor cores (mma.sync, m16n8k16), so every warp's copies are in
+// flight during its own and its neighbours' math; no warp waits on another until the end.
+//
+// Shapes: q [B, Hkv * G, 128] bf16 (G <= 8 query heads a KV head), pages [Hkv, N, 16, 128]
+// bf16, phys / slots [B, Hkv, L] int32 (physical page, and page index in the sequence),
+// counts [B, Hkv] int32 (entries used), lengths [B] int32 -> out [B, Hkv * G, 128] bf16.
+// Grid: one block of W warps per (list, split); split s of a list of `count` entries takes
+// entries [s * per, min(count, (s + 1) * per)), per = ceil(count / S), and warp w of the
+// block the entries w, w + W, ... of its split. The block's warps are merged in shared
+// memory; with S > 1 the block writes a partial (normalised output, log2-sum-exp) and the
+// last of the list's blocks to arrive (`arrivals`, zero on entry and reset to zero by that
+// block) merges the S partials.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <mutex>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int P = 16, D = 128, MAX_GROUP = 8, CHUNKS = D / 8;   // 16-byte chunks a row
+constexpr int PAGE_BYTES = P * D * 2;
+constexpr int WARPS = 8, STAGES = 2;                            // BENCHMARKS.md, run AJ
+constexpr int RING_BYTES = WARPS * STAGES * 2 * PAGE_BYTES;
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
+}
+__device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;\n" ::); }
+template <int N>
+__device__ __forceinline__ void cp_wait() { asm volatile("cp.async.wait_group %0;\n" ::"n"(N)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                        uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+__device__ __forceinline__ void ldsm_x4_t(uint32_t addr, uint32_t& r0, uint32_t& r1, uint32_t& r2,
+                                          uint32_t& r3) {
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.trans.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r0), "=r"(r1), "=r"(r2), "=r"(r3) : "r"(addr));
+}
+
+// c += a b (m16n8k16, bf16 in, float32 accumulate) with a's rows 8-15 zero: the group's
+// query heads sit in rows 0-7.
+__device__ __forceinline__ void mma(float* c, uint32_t a0, uint32_t a2, uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, "
+      "{%8,%9}, {%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a0), "r"(0u), "r"(a2), "r"(0u), "r"(b0), "r"(b1));
+}
+
+// Token t's 16-byte chunk c sits at chunk c ^ (t & 7) of its row, so that the 8 rows one
+// ldmatrix reads (256 bytes apart) fall in 8 different bank groups.
+__device__ __forceinline__ uint32_t swizzled(int t, int c) {
+  return static_cast<uint32_t>((t * CHUNKS + (c ^ (t & 7))) * 16);
+}
+
+__device__ __forceinline__ void copy_page(uint32_t dst, const __nv_bfloat16* k,
+                                          const __nv_bfloat16* v, int lane) {
+#pragma unroll
+  for (int u = 0; u < 8; ++u) {
+    const int j = lane + 32 * u, t = j >> 4, c = j & 15;
+    cp_async16(dst + swizzled(t, c), k + t * D + c * 8);
+    cp_async16(dst + PAGE_BYTES + swizzled(t, c), v + t * D + c * 8);
+  }
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 v = __floats2bfloat162_rn(lo, hi);
+  return *reinterpret_cast<uint32_t*>(&v);
+}
+
+__global__ void __launch_bounds__(WARPS * 32)
+    attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
+                  const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
+                  const int* __restrict__ slots, const int* __restrict__ counts,
+                  const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
+                  float* part_o, float* part_lse, int* arrivals, int hkv, int group,
+                  int64_t n_pages, int list_len, int splits, float scale_log2) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  __shared__ int s_last;
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int g = lane >> 2, tig = lane & 3;     // the mma fragments' row and column group
+  const int split = blockIdx.x % splits, lh = blockIdx.x / splits;
+  const int h = lh % hkv, b = lh / hkv;
+  const int count = min(counts[lh], list_len), length = lengths[b];
+  const int per = (count + splits - 1) / splits;
+  const int start = min(split * per, count), stop = min(start + per, count);
+  const int mine = max(0, (stop - start - warp + WARPS - 1) / WARPS);
+  const int per_max = (list_len + splits - 1) / splits;
+  int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES);
+  int* s_slot = s_phys + per_max;
+
+  for (int i = threadIdx.x; i < stop - start; i += WARPS * 32) {
+    s_phys[i] = lists[static_cast<int64_t>(lh) * list_len + start + i];
+    s_slot[i] = slots[static_cast<int64_t>(lh) * list_len + start + i];
+  }
+  __syncthreads();
+
+  const __nv_bfloat16* kbase = kpages + h * n_pages * P * D;
+  const __nv_bfloat16* vbase = vpages + h * n_pages * P * D;
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
+                        warp * STAGES * 2 * PAGE_BYTES;
+  auto issue = [&](int i) {
+    const int64_t off = static_cast<int64_t>(s_phys[warp + WARPS * i]) * P * D;
+    copy_page(ring + (i % STAGES) * 2 * PAGE_BYTES, kbase + off, vbase + off, lane);
+  };
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (i < mine) issue(i);
+    cp_commit();
+  }
+
+  // The group's queries as A fragments: row g (a query head when g < group), columns
+  // 16 kk + 2 tig + {0, 1} and + 8.
+  uint32_t qa[8][2];
+  const __nv_bfloat16* qrow =
+      q + (static_cast<int64_t>(b) * hkv * group + h * group + min(g, group - 1)) * D + 2 * tig;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    qa[kk][0] = g < group ? *reinterpret_cast<const uint32_t*>(qrow + 16 * kk) : 0u;
+    qa[kk][1] = g < group ? *reinterpret_cast<const uint32_t*>(qrow + 16 * kk + 8) : 0u;
+  }
+  float o[16][4];
+#pragma unroll
+  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
+  float m = -INFINITY, l = 0.f;
+
+  for (int i = 0; i < mine; ++i) {
+    cp_wait<STAGES - 2>();
+    __syncwarp();   // every lane's copies of page i landed, and page i - 1's slot is read
+    if (i + STAGES - 1 < mine) issue(i + STAGES - 1);
+    cp_commit();
+    const uint32_t kb = ring + (i % STAGES) * 2 * PAGE_BYTES, vb = kb + PAGE_BYTES;
+    // Logits of head g and tokens 8 nt + 2 tig + {0, 1} in sc[nt][0..1].
+    float sc[2][4] = {{0.f, 0.f, 0.f, 0.f}, {0.f, 0.f, 0.f, 0.f}};
+#pragma unroll
+    for (int kk = 0; kk < 8; ++kk) {
+      const int t = ((lane >> 4) << 3) + (lane & 7), c = 2 * kk + ((lane >> 3) & 1);
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4(kb + swizzled(t, c), b0, b1, b2, b3);
+      mma(sc[0], qa[kk][0], qa[kk][1], b0, b1);
+      mma(sc[1], qa[kk][0], qa[kk][1], b2, b3);
+    }
+    const int pos = s_slot[warp + WARPS * i] * P + 2 * tig;
+    float x[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) {
+      x[e] = pos + (e >> 1) * 8 + (e & 1) < length ? sc[e >> 1][e & 1] * scale_log2 : -INFINITY;
+    }
+    float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
+    mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
+    const float m_new = fmaxf(m, mx);
+    const float base = m_new == -INFINITY ? 0.f : m_new;   // a fully masked page so far
+    const float alpha = exp2f(m - base);
+    float p[4];
+#pragma unroll
+    for (int e = 0; e < 4; ++e) p[e] = exp2f(x[e] - base);
+    l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+    m = m_new;
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      o[j][0] *= alpha;
+      o[j][1] *= alpha;
+    }
+    // The probabilities are already the A fragment of P V (columns = tokens).
+    const uint32_t pa0 = pack_bf16(p[0], p[1]), pa2 = pack_bf16(p[2], p[3]);
+#pragma unroll
+    for (int jj = 0; jj < 8; ++jj) {
+      const int t = (((lane >> 3) & 1) << 3) + (lane & 7), c = 2 * jj + (lane >> 4);
+      uint32_t b0, b1, b2, b3;
+      ldsm_x4_t(vb + swizzled(t, c), b0, b1, b2, b3);
+      mma(o[2 * jj], pa0, pa2, b0, b1);
+      mma(o[2 * jj + 1], pa0, pa2, b2, b3);
+    }
+  }
+  cp_wait<0>();
+  l += __shfl_xor_sync(0xffffffffu, l, 1);
+  l += __shfl_xor_sync(0xffffffffu, l, 2);
+  __syncthreads();
+
+  // The warps merged through shared memory (the ring, idle now).
+  float* s_o = reinterpret_cast<float*>(smem);            // [WARPS][group][D]
+  float* s_m = s_o + WARPS * MAX_GROUP * D;                // [WARPS][group]
+  float* s_l = s_m + WARPS * MAX_GROUP;
+  if (g < group) {
+#pragma unroll
+    for (int j = 0; j < 16; ++j) {
+      s_o[(warp * group + g) * D + 8 * j + 2 * tig] = o[j][0];
+      s_o[(warp * group + g) * D + 8 * j + 2 * tig + 1] = o[j][1];
+    }
+    if (tig == 0) s_m[warp * group + g] = m, s_l[warp * group + g] = l;
+  }
+  __syncthreads();
+  const int64_t part = static_cast<int64_t>(lh) * splits + split;
+  __nv_bfloat16* out_row = out + static_cast<int64_t>(lh) * group * D;
+  for (int idx = threadIdx.x; idx < group * D; idx += WARPS * 32) {
+    const int hh = idx / D;
+    float mm = -INFINITY;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) mm = fmaxf(mm, s_m[w * group + hh]);
+    float acc = 0.f, den = 0.f;
+#pragma unroll
+    for (int w = 0; w < WARPS; ++w) {
+      const float f = s_m[w * group + hh] == -INFINITY ? 0.f : exp2f(s_m[w * group + hh] - mm);
+      acc += f * s_o[w * group * D + idx];
+      den += f * s_l[w * group + hh];
+    }
+    const float val = den > 0.f ? acc / den : 0.f;
+    if (splits == 1) {
+      out_row[idx] = __float2bfloat16(val);
+    } else {
+      part_o[part * group * D + idx] = val;
+      if (idx % D == 0) part_lse[part * group + hh] = den > 0.f ? mm + log2f(den) : -INFINITY;
+    }
+  }
+  if (splits == 1) return;
+  __threadfence();   // this block's partial visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) s_last = atomicAdd(&arrivals[lh], 1) == splits - 1;
+  __syncthreads();
+  if (!s_last) return;
+  __threadfence();
+  const int64_t first = static_cast<int64_t>(lh) * splits;
+  for (int idx = threadIdx.x; idx < group * D; idx += WARPS * 32) {
+    const int hh = idx / D;
+    float mm = -INFINITY;
+    for (int s = 0; s < splits; ++s) mm = fmaxf(mm, __ldcg(&part_lse[(first + s) * group + hh]));
+    float acc = 0.f, den = 0.f;
+    for (int s = 0; s < splits; ++s) {
+      const float lse = __ldcg(&part_lse[(first + s) * group + hh]);
+      const float f = lse == -INFINITY ? 0.f : exp2f(lse - mm);
+      acc += f * __ldcg(&part_o[(first + s) * group * D + idx]);
+      den += f;
+    }
+    out_row[idx] = __float2bfloat16(den > 0.f ? acc / den : 0.f);
+  }
+  if (threadIdx.x == 0) arrivals[lh] = 0;
+}
+
+ffi::Error Check(cudaError_t e, const char* what) {
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
+}
+
+// Past 48 KB a kernel gets dynamic shared memory only when it asks, once on each device.
+ffi::Error RaiseSharedLimit() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t result[kMaxDevices];
+  int device = 0;
+  if (auto e = Check(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  if (device >= kMaxDevices) return ffi::Error::Internal("sparrow_sparse_attend: device id");
+  std::call_once(once[device], [device] {
+    int limit = 0;
+    result[device] = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
+                                            device);
+    if (result[device] == cudaSuccess) {
+      result[device] = cudaFuncSetAttribute(
+          attend_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
+    }
+  });
+  return Check(result[device], "raising the attention's shared memory limit");
+}
+
+ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  ffi::Buffer<ffi::S32> phys, ffi::Buffer<ffi::S32> slots,
+                  ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> lengths,
+                  ffi::Buffer<ffi::S32> /*arrivals, aliased to the second result*/,
+                  ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> arrivals,
+                  ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+                  ffi::Result<ffi::Buffer<ffi::F32>> part_lse, int64_t splits) {
+  auto qd = q.dimensions(), kd = k.dimensions(), ld = phys.dimensions();
+  if (q.element_type() != ffi::BF16 || k.element_type() != ffi::BF16 ||
+      v.element_type() != ffi::BF16 || qd.size() != 3 || kd.size() != 4 || ld.size() != 3 ||
+      qd[2] != D || kd[2] != P || kd[3] != D || kd[0] != ld[1] || qd[0] != ld[0] ||
+      qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1) {
+    return ffi::Error::InvalidArgument("sparrow_sparse_attend: unsupported shapes or dtypes");
+  }
+  const int hkv = static_cast<int>(kd[0]), group = static_cast<int>(qd[1] / kd[0]);
+  const int list_len = static_cast<int>(ld[2]);
+  const int64_t lists = ld[0] * ld[1];
+  const int per_max = static_cast<int>((list_len + splits - 1) / splits);
+  const size_t shared = RING_BYTES + 2 * sizeof(int) * per_max;
+  if (auto e = RaiseSharedLimit(); e.failure()) return e;
+  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(D));
+  attend_kernel<<<static_cast<unsigned>(lists * splits), WARPS * 32, shared, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
+      slots.typed_data(), counts.typed_data(), lengths.typed_data(),
+      reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
+      part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
+      static_cast<int>(splits), scale_log2);
+  return Check(cudaGetLastError(), "sparrow_sparse_attend launch");
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseAttend, Attend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("splits"),
+                              {ffi::Traits::kCmdBufferCompatible});

@@ -1,0 +1,161 @@
+"""The sparse decode step's attention over page lists as a CUDA C kernel (GPU only).
+
+:func:`attend_page_lists_cuda` takes what
+:func:`pallas_kernels.paged_attend_gpu.attend_page_lists` takes and returns what it returns,
+computed by ``sparse_attend_cuda.cu`` (beside this file) through an XLA FFI call: each warp
+streams its own pages through shared-memory stages by ``cp.async`` while it runs the previous
+page's products on the tensor cores, which the Pallas and Triton lowerings could not express
+(notes/kernel_notes.md). H200, 32K context, budget 2048: 66-69 us at batch 32 against 90 for the
+Pallas attention (86-90% of the read ceiling against 65%), 21-22 against 31 at batch 8
+(BENCHMARKS.md, kernel run AJ).
+
+Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
+an NVIDIA GPU of compute capability 8.0 or later, and ``nvcc`` (CUDA 12 or later) to build
+the kernel's library once, at first use, into ``$SPARROW_CACHE`` (default
+``~/.cache/sparrow_jax``), keyed by the source and the compiler. :func:`unsupported_args` and
+:func:`unavailable` say why not, in one line, for everything else;
+``GpuDecodeTuning(attend="auto")`` then falls back to the Pallas attention (with a warning
+when the machine, not the arguments, is what is missing).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+SOURCE = Path(__file__).with_suffix(".cu")
+TARGET = "sparrow_sparse_attend"
+PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
+# The kernel's warps a block and the entries of a split it stages in shared memory.
+WARPS, MAX_SPLIT_ENTRIES = 8, 4096
+
+
+def _nvcc() -> str | None:
+    found = os.environ.get("NVCC") or shutil.which("nvcc")
+    if found:
+        return found
+    cuda = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
+    return cuda if os.path.exists(cuda) else None
+
+
+def _cache_dir() -> Path:
+    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow_jax"))
+
+
+def _build(nvcc: str) -> Path:
+    """The kernel's shared library, built on first use (tens of seconds), then cached."""
+    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
+    key = hashlib.sha256(SOURCE.read_bytes() + version.encode()
+                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
+    lib = _cache_dir() / f"sparse_attend_cuda-{key}.so"
+    if lib.exists():
+        return lib
+    lib.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
+        built = Path(tmp) / lib.name
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+               "-diag-suppress", "940,2473",
+               "-gencode", "arch=compute_80,code=sm_80",
+               "-gencode", "arch=compute_90,code=sm_90",
+               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            log = lib.with_suffix(".log")
+            log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
+            raise RuntimeError(f"building {SOURCE.name} failed (nvcc exit {done.returncode}); "
+                               f"its output is in {log}")
+        os.replace(built, lib)      # atomic: another process may be building the same
+    return lib
+
+
+@functools.cache
+def _registered() -> str | None:
+    """Builds and registers the FFI target once; None, or why it cannot be used."""
+    nvcc = _nvcc()
+    if nvcc is None:
+        return "no nvcc found (set NVCC or CUDA_HOME) to build the CUDA attention"
+    try:
+        lib = ctypes.CDLL(str(_build(nvcc)))
+    except (OSError, RuntimeError) as e:
+        return str(e).splitlines()[0]
+    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SparrowSparseAttend),
+                                platform="CUDA")
+    return None
+
+
+def unavailable() -> str | None:
+    """None when the CUDA attention can run here, else why not (one line): an NVIDIA GPU of
+    compute capability 8.0 or later, and the kernel's library built (on first use)."""
+    dev = jax.devices()[0]
+    if dev.platform != "gpu" or "NVIDIA" not in dev.device_kind.upper():
+        return f"needs an NVIDIA GPU, have {dev.device_kind}"
+    if float(getattr(dev, "compute_capability", "0")) < 8.0:
+        return f"needs compute capability >= 8.0, have {dev.compute_capability}"
+    return _registered()
+
+
+def unsupported_args(q, k_pages, page_size: int) -> str | None:
+    """None when :func:`attend_page_lists_cuda` takes arguments of these shapes and dtypes,
+    else why not (one line)."""
+    if q.dtype != jnp.bfloat16 or k_pages.dtype != jnp.bfloat16:
+        return f"needs bf16 queries and pages, have {q.dtype} and {k_pages.dtype}"
+    if q.shape[-1] != HEAD_DIM or page_size != PAGE_SIZE:
+        return (f"needs head_dim {HEAD_DIM} and page size {PAGE_SIZE}, have {q.shape[-1]} "
+                f"and {page_size}")
+    group = q.shape[1] // k_pages.shape[0]
+    if group > MAX_GROUP:
+        return f"needs at most {MAX_GROUP} query heads a KV head, have {group}"
+    return None
+
+
+def default_cuda_splits(lists: int, max_pages: int, sms: int) -> int:
+    """Splits of each list: enough that the lists' blocks number about half the SMs (H200,
+    run AJ: at batches 1, 8 and 32 the fastest had 64, 64 and 256 blocks of 8 warps on 132
+    SMs; more splits lose to the merges), at least one page a warp, and at most
+    :data:`MAX_SPLIT_ENTRIES` entries a split."""
+    want = max(1, (sms // 2) // lists)
+    most = max(1, max_pages // WARPS)
+    least = -(-max_pages // MAX_SPLIT_ENTRIES)
+    return max(least, min(want, most))
+
+
+def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
+                           splits: int | None = None, arrivals=None):
+    """q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, phys and slots ``[B, Hkv, L]``, count
+    ``[B, Hkv, 1]`` (the lists of
+    :func:`pallas_kernels.sparse_decode_gpu.select_page_lists`), lengths ``[B]`` ->
+    ``[B, Hq, D]`` bf16. ``splits``: parts of each list attended by blocks of their own
+    (None: :func:`default_cuda_splits`). ``arrivals``: zeros ``[B, Hkv, 1]`` int32 the call
+    may use as its merge counters (the selection's, which saves a launch); None: made here.
+    Check :func:`unsupported_args` and :func:`unavailable` first (this assumes both
+    returned None)."""
+    b, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    group = hq // hkv
+    lists, width = b * hkv, phys.shape[-1]
+    if splits is None:
+        from pallas_kernels.paged_attend_gpu import sm_count
+        splits = default_cuda_splits(lists, width, sm_count())
+    if arrivals is None:
+        arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
+    call = jax.ffi.ffi_call(
+        TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct(arrivals.shape, jnp.int32),
+         jax.ShapeDtypeStruct((lists * splits, group, d), jnp.float32),
+         jax.ShapeDtypeStruct((lists * splits, group), jnp.float32)),
+        input_output_aliases={7: 1})
+    out, *_ = call(q, k_pages, v_pages, phys.astype(jnp.int32), slots.astype(jnp.int32),
+                   count.astype(jnp.int32), lengths.astype(jnp.int32), arrivals,
+                   splits=np.int64(splits))
+    return out

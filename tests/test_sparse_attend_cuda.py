@@ -1,0 +1,159 @@
+"""The CUDA attention of the sparse step (pallas_kernels/sparse_attend_cuda.cu) against float64
+NumPy: over hand-made page lists (ragged counts, empty lists, masked tails, any split), and as
+the attention of the whole step (``GpuDecodeTuning(attend="cuda")``) on issue 5's matrix
+against the reference of docs/design.md, section 3 (tests/reference_np.py). These need an
+NVIDIA GPU and nvcc; on a CPU they are skipped with that reason. What runs on a CPU: the
+choice between the CUDA and the Pallas attention, and the splits' rule.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, default_cuda_splits,
+                                               unavailable, unsupported_args)
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, resolve_attend, sparse_decode_pallas
+from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case
+from test_sparse_kernel import as64, make_case, reference
+
+P, D = 16, 128
+WHY = unavailable()
+needs_cuda = pytest.mark.skipif(WHY is not None, reason=f"the CUDA attention {WHY}")
+
+
+def lists_case(rng, *, b, hkv, group, counts, pool=400, width=40, short=0):
+    """Random bf16 queries and pages, and lists of ``counts[b][h]`` distinct pages (random
+    slots of a ``width``-page sequence, in slot order) padded with junk past each count;
+    lengths ``short`` tokens before the end of the last page."""
+    q = jnp.asarray(rng.standard_normal((b, hkv * group, D)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((hkv, pool, P, D)) * 2, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((hkv, pool, P, D)), jnp.bfloat16)
+    table = rng.permutation(pool)[: b * width].reshape(b, width)
+    phys = rng.integers(0, pool, (b, hkv, width)).astype(np.int32)     # junk past the count
+    slots = np.full((b, hkv, width), 10 ** 6, np.int32)
+    for i in range(b):
+        for h in range(hkv):
+            chosen = np.sort(rng.choice(width, counts[i][h], replace=False))
+            phys[i, h, :len(chosen)] = table[i, chosen]
+            slots[i, h, :len(chosen)] = chosen
+    lengths = np.full((b,), width * P - short, np.int32)
+    return q, k, v, phys, slots, np.asarray(counts, np.int32)[..., None], lengths
+
+
+def attention_np(q, k, v, phys, slots, counts, lengths):
+    """float64: each query head over its KV head's listed pages' tokens before the length."""
+    q, k, v = (np.asarray(x.astype(jnp.float32), np.float64) for x in (q, k, v))
+    b, hq, _ = q.shape
+    hkv = k.shape[0]
+    group = hq // hkv
+    out = np.zeros((b, hq, D))
+    for i in range(b):
+        for h in range(hkv):
+            n = counts[i, h, 0]
+            pos = (slots[i, h, :n, None] * P + np.arange(P)).reshape(-1)
+            keep = pos < lengths[i]
+            if not keep.any():
+                continue
+            kk = k[h, phys[i, h, :n]].reshape(-1, D)[keep]
+            vv = v[h, phys[i, h, :n]].reshape(-1, D)[keep]
+            s = q[i, h * group:(h + 1) * group] @ kk.T / np.sqrt(D)
+            w = np.exp(s - s.max(-1, keepdims=True))
+            out[i, h * group:(h + 1) * group] = (w / w.sum(-1, keepdims=True)) @ vv
+    return out
+
+
+@needs_cuda
+@pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("splits", [1, 2, 3, 16])
+def test_lists_match_float64(group, splits):
+    """Ragged counts (0, 1, fewer than the block's 8 warps, more than a split holds), junk
+    past each count, the last page's tail masked; splits more than some lists' entries."""
+    rng = np.random.default_rng(group * 31 + splits)
+    counts = [[0, 1, 5, 40], [9, 17, 33, 2], [40, 3, 8, 16]]
+    args = lists_case(rng, b=3, hkv=4, group=group, counts=counts, short=5)
+    got = jax.jit(attend_page_lists_cuda, static_argnames="splits")(*args, splits=splits)
+    assert got.shape == args[0].shape and got.dtype == jnp.bfloat16
+    want = attention_np(*args)
+    got = as64(got)
+    assert np.all(got[0, :group] == 0)                  # the empty list: zeros
+    assert_kernel_close(got, want, low_precision=True)
+
+
+@needs_cuda
+def test_repeated_calls_reset_their_counters():
+    """The merge counters are reset by the call that used them: the same call twice, and a
+    call on counters it was given, agree with the first."""
+    rng = np.random.default_rng(3)
+    args = lists_case(rng, b=2, hkv=2, group=4, counts=[[40, 30], [12, 7]])
+    call = jax.jit(attend_page_lists_cuda, static_argnames="splits")
+    first = np.asarray(call(*args, splits=4).astype(jnp.float32))
+    again = np.asarray(call(*args, splits=4).astype(jnp.float32))
+    given = np.asarray(call(*args, splits=4, arrivals=jnp.zeros((2, 2, 1), jnp.int32)
+                            ).astype(jnp.float32))
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, given)
+
+
+def check_step(rng, lengths, budgets, r, **tuning):
+    q, k, v, cent, table, lengths = make_case(rng, lengths=lengths, hkv=2, r=r, d=D,
+                                              dtype=jnp.bfloat16)
+    budgets = jnp.asarray(budgets, jnp.int32)
+    out = sparse_decode_pallas(q, k, v, table, lengths, budgets, page_size=P, centroids=cent,
+                               tuning=GpuDecodeTuning(attend="cuda", **tuning))
+    want, _ = reference(q, k, v, cent, table, lengths, budgets)
+    assert_kernel_close(as64(out), want, low_precision=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("r", [1, 2, 4, 5, 8])
+@pytest.mark.parametrize("splits", [None, 1, 3])
+def test_step_matches_float64_reference(r, splits):
+    check_step(np.random.default_rng(r), KERNEL_LENGTHS, KERNEL_BUDGETS, r, splits=splits)
+
+
+@needs_cuda
+@pytest.mark.slow
+@pytest.mark.parametrize("r", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_full_matrix(r):
+    rng = np.random.default_rng(r * 7 + D)
+    lengths, budgets = random_kernel_case(rng)
+    check_step(rng, lengths, budgets, r)
+
+
+# ---------------------------------------------------------------- the choice, on any host
+
+def test_choice_between_cuda_and_pallas():
+    q = jnp.zeros((2, 8, D), jnp.bfloat16)
+    k = jnp.zeros((2, 10, P, D), jnp.bfloat16)
+    assert resolve_attend("pallas", q, k, P, interpret=False) == "pallas"
+    assert resolve_attend("auto", q, k, P, interpret=True) == "pallas"
+    # Arguments the kernel does not take: pallas for "auto", one line for "cuda".
+    k32 = k.astype(jnp.float32)
+    assert unsupported_args(q, k32, P) == "needs bf16 queries and pages, have bfloat16 and float32"
+    assert resolve_attend("auto", q, k32, P, interpret=False) == "pallas"
+    with pytest.raises(ValueError, match=r"attend='cuda'\): needs bf16"):
+        resolve_attend("cuda", q, k32, P, interpret=False)
+    assert "head_dim 128 and page size 16, have 128 and 8" in unsupported_args(q, k, 8)
+    assert "at most 8 query heads" in unsupported_args(jnp.zeros((2, 18, D), jnp.bfloat16),
+                                                       k, P)
+    with pytest.raises(ValueError, match="runs on a GPU only"):
+        resolve_attend("cuda", q, k, P, interpret=True)
+    with pytest.raises(ValueError, match="attend must be one of"):
+        GpuDecodeTuning(attend="triton")
+    if WHY is not None:       # this host: "auto" falls back, saying why
+        with pytest.warns(UserWarning, match="Pallas attention instead"):
+            assert resolve_attend("auto", q, k, P, interpret=False) == "pallas"
+
+
+def test_default_splits_rule():
+    """Blocks about half the SMs (132 on an H200: 66), at least one page a warp, at most 4096
+    entries a split."""
+    assert default_cuda_splits(256, 128, 132) == 1         # batch 32 x 8 KV heads
+    assert default_cuda_splits(64, 128, 132) == 1          # batch 8
+    assert default_cuda_splits(8, 128, 132) == 8           # batch 1
+    assert default_cuda_splits(8, 32, 132) == 4            # 32 pages: 4 splits of 8
+    assert default_cuda_splits(8, 4, 132) == 1
+    assert default_cuda_splits(256, 8192, 132) == 2        # entries a split
