@@ -258,24 +258,33 @@ ffi::Error Check(cudaError_t e, const char* what) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
-// Past 48 KB a kernel gets dynamic shared memory only when it asks, once on each device.
-ffi::Error RaiseSharedLimit() {
+// Past 48 KB a kernel gets dynamic shared memory only when it asks: once on each device, all
+// that the device allows beside the kernel's static shared memory.
+ffi::ErrorOr<int> RaiseSharedLimit() {
   constexpr int kMaxDevices = 64;
   static std::once_flag once[kMaxDevices];
   static cudaError_t result[kMaxDevices];
+  static int dynamic[kMaxDevices];
   int device = 0;
   if (auto e = Check(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
   if (device >= kMaxDevices) return ffi::Error::Internal("sparrow_sparse_attend: device id");
   std::call_once(once[device], [device] {
     int limit = 0;
+    cudaFuncAttributes attributes;
     result[device] = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                             device);
-    if (result[device] == cudaSuccess) {
-      result[device] = cudaFuncSetAttribute(
-          attend_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, limit);
-    }
+    if (result[device] == cudaSuccess) result[device] = cudaFuncGetAttributes(&attributes,
+                                                                              attend_kernel);
+    if (result[device] != cudaSuccess) return;
+    dynamic[device] = limit - static_cast<int>(attributes.sharedSizeBytes);
+    result[device] = cudaFuncSetAttribute(
+        attend_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic[device]);
   });
-  return Check(result[device], "raising the attention's shared memory limit");
+  if (auto e = Check(result[device], "raising the attention's shared memory limit");
+      e.failure()) {
+    return e;
+  }
+  return dynamic[device];
 }
 
 ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
@@ -297,7 +306,14 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   const int64_t lists = ld[0] * ld[1];
   const int per_max = static_cast<int>((list_len + splits - 1) / splits);
   const size_t shared = RING_BYTES + 2 * sizeof(int) * per_max;
-  if (auto e = RaiseSharedLimit(); e.failure()) return e;
+  ffi::ErrorOr<int> limit = RaiseSharedLimit();
+  if (limit.has_error()) return limit.error();
+  if (shared > static_cast<size_t>(*limit)) {
+    return ffi::Error::InvalidArgument(
+        "sparrow_sparse_attend: " + std::to_string(per_max) + " list entries a split need " +
+        std::to_string(shared) + " bytes of shared memory, more than the device's " +
+        std::to_string(*limit) + ": use more splits");
+  }
   const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(D));
   attend_kernel<<<static_cast<unsigned>(lists * splits), WARPS * 32, shared, stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),

@@ -146,6 +146,10 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     if splits is None:
         from pallas_kernels.paged_attend_gpu import sm_count
         splits = default_cuda_splits(lists, width, sm_count())
+    if -(-width // splits) > MAX_SPLIT_ENTRIES:
+        raise ValueError(f"attend_page_lists_cuda: splits={splits} leaves "
+                         f"{-(-width // splits)} list entries a split, over "
+                         f"{MAX_SPLIT_ENTRIES}: use at least {-(-width // MAX_SPLIT_ENTRIES)}")
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
     call = jax.ffi.ffi_call(
