@@ -246,8 +246,11 @@ def test_impl_choice(monkeypatch):
 
 
 def test_auto_runs_the_kernels_exactly_on_gpu():
-    """impl="auto" compiles to the Pallas kernels on a GPU and to the reference elsewhere, and
-    matches the float64 reference either way (bf16 cache, page 16, head_dim 128)."""
+    """impl="auto" compiles to the GPU kernels on a GPU (the Pallas scoring and selection, and
+    the CUDA attention where it can be built, else the Pallas one) and to the reference
+    elsewhere, and matches the float64 reference either way (bf16 cache, page 16, head_dim
+    128)."""
+    from pallas_kernels.sparse_attend_cuda import TARGET, unavailable
     rng = np.random.default_rng(4)
     lengths = np.array([150, 77], np.int32)                  # 10 and 5 pages of 16
     q = rng.standard_normal((2, 8, 128))
@@ -259,7 +262,11 @@ def test_auto_runs_the_kernels_exactly_on_gpu():
             jnp.asarray([5, 4], jnp.int32))
     fn = jax.jit(lambda *a: sparse_decode(*a, page_size=16))
     hlo = fn.lower(*args).as_text()
-    assert ("sparse_decode_attend" in hlo) == (jax.default_backend() == "gpu")
+    gpu = jax.default_backend() == "gpu"
+    assert ("sparse_decode_score" in hlo) == gpu
+    cuda = gpu and unavailable() is None
+    assert (TARGET in hlo) == cuda
+    assert ("sparse_decode_attend" in hlo) == (gpu and not cuda)
     want = sparse_decode_np(*(np.asarray(x, np.float64) for x in args[:3]), table, lengths,
                             [5, 4], page_size=16)
     got = np.asarray(fn(*args), np.float64)
