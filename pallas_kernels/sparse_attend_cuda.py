@@ -33,6 +33,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.paged_attend_gpu import sm_count
+
 SOURCE = Path(__file__).with_suffix(".cu")
 TARGET = "sparrow_sparse_attend"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
@@ -144,7 +146,6 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     group = hq // hkv
     lists, width = b * hkv, phys.shape[-1]
     if splits is None:
-        from pallas_kernels.paged_attend_gpu import sm_count
         splits = default_cuda_splits(lists, width, sm_count())
     if -(-width // splits) > MAX_SPLIT_ENTRIES:
         raise ValueError(f"attend_page_lists_cuda: splits={splits} leaves "
