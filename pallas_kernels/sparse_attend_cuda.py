@@ -10,7 +10,8 @@ Pallas attention (86-90% of the read ceiling against 65%), 21-22 against 31 at b
 (BENCHMARKS.md, kernel run AJ).
 
 Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
-an NVIDIA GPU of compute capability 8.0 or later, and ``nvcc`` (CUDA 12 or later) to build
+an NVIDIA Hopper GPU (compute capability 9.0: H100, H200, the GPUs it was measured on), and
+``nvcc`` (CUDA 12 or later) to build
 the kernel's library once, at first use, into ``$SPARROW_CACHE`` (default
 ``~/.cache/sparrow_jax``), keyed by the source and the compiler. :func:`unsupported_args` and
 :func:`unavailable` say why not, in one line, for everything else;
@@ -42,7 +43,8 @@ PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 WARPS, MAX_SPLIT_ENTRIES = 8, 4096
 
 
-def _nvcc() -> str | None:
+def find_nvcc() -> str | None:
+    """``$NVCC``, else ``nvcc`` on the PATH, else ``$CUDA_HOME/bin/nvcc``; None if none."""
     found = os.environ.get("NVCC") or shutil.which("nvcc")
     if found:
         return found
@@ -54,8 +56,8 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow_jax"))
 
 
-def _build(nvcc: str) -> Path:
-    """The kernel's shared library, built on first use (tens of seconds), then cached."""
+def build_library(nvcc: str) -> Path:
+    """The kernel's shared library, built on first use (about 10 s) for sm_90, then cached; nvcc's output (ptxas' registers and spills among it) beside it as ``.log``."""
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode()
                          + jax.ffi.include_dir().encode()).hexdigest()[:16]
@@ -65,15 +67,14 @@ def _build(nvcc: str) -> Path:
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         built = Path(tmp) / lib.name
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC",
+        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
                "-diag-suppress", "940,2473",
-               "-gencode", "arch=compute_80,code=sm_80",
                "-gencode", "arch=compute_90,code=sm_90",
                f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
         done = subprocess.run(cmd, capture_output=True, text=True)
+        log = lib.with_suffix(".log")
+        log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
         if done.returncode != 0:
-            log = lib.with_suffix(".log")
-            log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
             raise RuntimeError(f"building {SOURCE.name} failed (nvcc exit {done.returncode}); "
                                f"its output is in {log}")
         os.replace(built, lib)      # atomic: another process may be building the same
@@ -83,11 +84,11 @@ def _build(nvcc: str) -> Path:
 @functools.cache
 def _registered() -> str | None:
     """Builds and registers the FFI target once; None, or why it cannot be used."""
-    nvcc = _nvcc()
+    nvcc = find_nvcc()
     if nvcc is None:
         return "no nvcc found (set NVCC or CUDA_HOME) to build the CUDA attention"
     try:
-        lib = ctypes.CDLL(str(_build(nvcc)))
+        lib = ctypes.CDLL(str(build_library(nvcc)))
     except (OSError, RuntimeError) as e:
         return str(e).splitlines()[0]
     jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SparrowSparseAttend),
@@ -97,12 +98,13 @@ def _registered() -> str | None:
 
 def unavailable() -> str | None:
     """None when the CUDA attention can run here, else why not (one line): an NVIDIA GPU of
-    compute capability 8.0 or later, and the kernel's library built (on first use)."""
+    compute capability 9.0 (measured there only; on sm_80 the build spills), and the kernel's
+    library built (on first use)."""
     dev = jax.devices()[0]
     if dev.platform != "gpu" or "NVIDIA" not in dev.device_kind.upper():
         return f"needs an NVIDIA GPU, have {dev.device_kind}"
-    if float(getattr(dev, "compute_capability", "0")) < 8.0:
-        return f"needs compute capability >= 8.0, have {dev.compute_capability}"
+    if not str(getattr(dev, "compute_capability", "0")).startswith("9."):
+        return f"needs compute capability 9.x (Hopper), have {dev.compute_capability}"
     return _registered()
 
 

@@ -165,7 +165,7 @@ class GpuDecodeTuning:
       attention 66-69 us against 90 at batch 32, BENCHMARKS.md, kernel run AJ),
       ``"pallas"`` (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists`, the only one
       in interpret mode), or ``"auto"``: cuda where it runs (bf16, head_dim 128, page 16,
-      an NVIDIA GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
+      a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
       cuda, ``splits`` sets its splits (None:
       :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`) and ``block_pages``,
       ``attend_warps``, ``attend_stages`` and ``balanced`` are unused.
