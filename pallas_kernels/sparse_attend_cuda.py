@@ -57,20 +57,22 @@ def _cache_dir() -> Path:
 
 
 def build_library(nvcc: str) -> Path:
-    """The kernel's shared library, built on first use (about 10 s) for sm_90, then cached; nvcc's output (ptxas' registers and spills among it) beside it as ``.log``."""
+    """The kernel's shared library, built on first use (about 10 s) for sm_90, then cached
+    under a key of the source, the compiler and its flags; nvcc's output (ptxas' registers
+    and spills among it) beside it as ``.log``."""
+    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
+             "-diag-suppress", "940,2473", "-gencode", "arch=compute_90,code=sm_90",
+             f"-I{jax.ffi.include_dir()}"]
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(SOURCE.read_bytes() + version.encode()
-                         + jax.ffi.include_dir().encode()).hexdigest()[:16]
+                         + " ".join(flags).encode()).hexdigest()[:16]
     lib = _cache_dir() / f"sparse_attend_cuda-{key}.so"
     if lib.exists():
         return lib
     lib.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
         built = Path(tmp) / lib.name
-        cmd = [nvcc, "-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
-               "-diag-suppress", "940,2473",
-               "-gencode", "arch=compute_90,code=sm_90",
-               f"-I{jax.ffi.include_dir()}", str(SOURCE), "-o", str(built)]
+        cmd = [nvcc, *flags, str(SOURCE), "-o", str(built)]
         done = subprocess.run(cmd, capture_output=True, text=True)
         log = lib.with_suffix(".log")
         log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
