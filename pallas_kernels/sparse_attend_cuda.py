@@ -5,18 +5,18 @@
 computed by ``sparse_attend_cuda.cu`` (beside this file) through an XLA FFI call: each warp
 streams its own pages through shared-memory stages by ``cp.async`` while it runs the previous
 page's products on the tensor cores, which the Pallas and Triton lowerings could not express
-(notes/kernel_notes.md). H200, 32K context, budget 2048: 66-69 us at batch 32 against 90 for the
-Pallas attention (86-90% of the read ceiling against 65%), 21-22 against 31 at batch 8
-(BENCHMARKS.md, kernel run AJ).
+(notes/kernel_notes.md). H200, 32K context, budget 2048, the attention alone: 71.5 us at
+batch 32 against 87.0 for the Pallas attention (83% of the read ceiling against 68%), 23.4
+against 28.6 at batch 8; the whole step 10-11% faster at batches 8-64 (BENCHMARKS.md, kernel
+runs AJ and AK).
 
 Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
-an NVIDIA Hopper GPU (compute capability 9.0: H100, H200, the GPUs it was measured on), and
-``nvcc`` (CUDA 12 or later) to build
-the kernel's library once, at first use, into ``$SPARROW_CACHE`` (default
-``~/.cache/sparrow_jax``), keyed by the source and the compiler. :func:`unsupported_args` and
-:func:`unavailable` say why not, in one line, for everything else;
-``GpuDecodeTuning(attend="auto")`` then falls back to the Pallas attention (with a warning
-when the machine, not the arguments, is what is missing).
+an NVIDIA Hopper GPU (compute capability 9.x: H100, H200; measured on an H200), and ``nvcc``
+(tested with CUDA 13.0) to build the kernel's library once, at first use, into
+``$SPARROW_CACHE`` (default ``~/.cache/sparrow_jax``), keyed by the source, the compiler and
+its flags. :func:`unsupported_args` and :func:`unavailable` say why not, in one line, for
+everything else; ``GpuDecodeTuning(attend="auto")`` then falls back to the Pallas attention
+(with a warning when the machine, not the arguments, is what is missing).
 """
 
 from __future__ import annotations

@@ -162,7 +162,7 @@ class GpuDecodeTuning:
     attend: the attention over the lists: ``"cuda"``
       (:func:`pallas_kernels.sparse_attend_cuda.attend_page_lists_cuda`: each warp streams
       its pages through shared memory while it computes; H200, 32K, budget 2048: the
-      attention 66-69 us against 90 at batch 32, BENCHMARKS.md, kernel run AJ),
+      attention 71.5 us against 87.0 at batch 32, BENCHMARKS.md, kernel run AK),
       ``"pallas"`` (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists`, the only one
       in interpret mode), or ``"auto"``: cuda where it runs (bf16, head_dim 128, page 16,
       a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
