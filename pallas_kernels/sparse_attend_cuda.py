@@ -143,8 +143,11 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     ``[B, Hq, D]`` bf16. ``splits``: parts of each list attended by blocks of their own
     (None: :func:`default_cuda_splits`). ``arrivals``: zeros ``[B, Hkv, 1]`` int32 the call
     may use as its merge counters (the selection's, which saves a launch); None: made here.
-    Check :func:`unsupported_args` and :func:`unavailable` first (this assumes both
-    returned None)."""
+    Arguments it does not take raise one line (:func:`unsupported_args`); where it cannot
+    run (:func:`unavailable`) the call fails when it runs, so check that first."""
+    why = unsupported_args(q, k_pages, k_pages.shape[2])
+    if why is not None:
+        raise ValueError(f"attend_page_lists_cuda: {why}")
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv

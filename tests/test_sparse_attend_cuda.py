@@ -143,6 +143,9 @@ def test_choice_between_cuda_and_pallas():
     assert "head_dim 128 and page size 16, have 128 and 8" in unsupported_args(q, k, 8)
     assert "at most 8 query heads" in unsupported_args(jnp.zeros((2, 18, D), jnp.bfloat16),
                                                        k, P)
+    with pytest.raises(ValueError, match=r"^attend_page_lists_cuda: needs bf16"):
+        attend_page_lists_cuda(q, k32, k32, *(jnp.zeros((2, 2, 4), jnp.int32),) * 2,
+                               jnp.ones((2, 2, 1), jnp.int32), jnp.ones((2,), jnp.int32))
     with pytest.raises(ValueError, match="runs on a GPU only"):
         resolve_attend("cuda", q, k, P, interpret=True)
     with pytest.raises(ValueError, match="attend must be one of"):
