@@ -154,10 +154,11 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     lists, width = b * hkv, phys.shape[-1]
     if splits is None:
         splits = default_cuda_splits(lists, width, sm_count())
-    if -(-width // splits) > MAX_SPLIT_ENTRIES:
-        raise ValueError(f"attend_page_lists_cuda: splits={splits} leaves "
-                         f"{-(-width // splits)} list entries a split, over "
-                         f"{MAX_SPLIT_ENTRIES}: use at least {-(-width // MAX_SPLIT_ENTRIES)}")
+    per_split = -(-width // splits)
+    if per_split > MAX_SPLIT_ENTRIES:
+        raise ValueError(f"attend_page_lists_cuda: splits={splits} leaves {per_split} list "
+                         f"entries a split, over {MAX_SPLIT_ENTRIES}: use at least "
+                         f"{-(-width // MAX_SPLIT_ENTRIES)}")
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
     call = jax.ffi.ffi_call(

@@ -79,16 +79,15 @@ def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> 
     size), with a warning when it is the machine that lacks what it needs."""
     if choice == "pallas" or (choice == "auto" and interpret):
         return "pallas"
-    why = cuda_unsupported_args(q, k_pages, page_size)
-    if why is None:
-        why = ("it runs on a GPU only, not in interpret mode" if interpret
-               else cuda_unavailable())
-        if why is not None and choice == "auto":
-            _warn_fallback(why)
+    bad_args = cuda_unsupported_args(q, k_pages, page_size)
+    why = bad_args or ("it runs on a GPU only, not in interpret mode" if interpret
+                       else cuda_unavailable())
     if why is None:
         return "cuda"
     if choice == "cuda":
         raise ValueError(f"GpuDecodeTuning(attend='cuda'): {why}")
+    if bad_args is None:
+        _warn_fallback(why)
     return "pallas"
 
 
@@ -540,14 +539,15 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
     cuda = tuning.attend == "cuda"
+    # The CUDA call takes its counters even with one split (an aliased buffer it leaves
+    # alone): zeros from the selection, which would otherwise be a fill of their own.
     phys, slots, count, *arrivals = select_page_lists(
         q, summaries, page_table, lengths, budget_pages, page_size=page_size,
         max_pages=max_pages, tuning=tuning, interpret=interpret,
-        arrivals=tuning.splits > 1 if cuda else tuning.balanced)
+        arrivals=cuda or tuning.balanced)
     if cuda:
         return attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths,
-                                      splits=tuning.splits,
-                                      arrivals=arrivals[0] if arrivals else None)
+                                      splits=tuning.splits, arrivals=arrivals[0])
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret,
                              arrivals=arrivals[0] if arrivals else None)

@@ -180,3 +180,36 @@ def test_library_builds_without_spills_and_exports_its_handler(tmp_path, monkeyp
     assert spills and all(n == "0" for n in spills)
     assert hasattr(ctypes.CDLL(str(lib)), "SparrowSparseAttend")
     assert build_library(find_nvcc()) == lib and len(list(tmp_path.iterdir())) == 2
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
+    """On any host: the step with ``attend="cuda"``, lowered for an H100, is the scoring and
+    selection kernels and the CUDA call, which takes the selection's lists and its zeroed
+    counters directly (no fill of its own, also with one split)."""
+    from jax._src import mesh as mesh_lib
+
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                   platform="gpu")
+    q, k, v, cent, table, lengths = make_case(np.random.default_rng(0), lengths=[300, 200],
+                                              hkv=2, r=4, d=D, dtype=jnp.bfloat16)
+    budgets = jnp.asarray([8, 6], jnp.int32)
+
+    def step(*a):
+        return sparse_decode_pallas(*a, page_size=P,
+                                    tuning=GpuDecodeTuning(attend="cuda", splits=splits))
+    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
+    with jax.sharding.use_abstract_mesh(mesh):
+        text = jax.jit(step).trace(q, k, v, table, lengths, budgets).lower(
+            lowering_platforms=("cuda",)).as_text()
+    kernels = re.findall(r'name = "([a-z_]+)", num_stages', text)
+    assert kernels == ["sparse_decode_score", "sparse_decode_select"]
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(([^)]*)\).*splits = (\d+)",
+                     text)
+    assert call and int(call.group(2)) == splits
+    select = re.search(r"(%\d+):4 = stablehlo.custom_call @__gpu\$xla.gpu.triton", text).group(1)
+    operands = call.group(1).split(", ")
+    assert operands[3:6] == [f"{select}#0", f"{select}#1", f"{select}#2"]
+    assert operands[7] == f"{select}#3"
