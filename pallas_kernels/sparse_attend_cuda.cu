@@ -20,6 +20,8 @@
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
+#include <climits>
 #include <cstdint>
 #include <mutex>
 #include <string>
@@ -84,37 +86,44 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&v);
 }
 
-__global__ void __launch_bounds__(WARPS * 32)
-    attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
-                  const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
-                  const int* __restrict__ slots, const int* __restrict__ counts,
-                  const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
-                  float* part_o, float* part_lse, int* arrivals, int hkv, int group,
-                  int64_t n_pages, int list_len, int splits, float scale_log2) {
-  extern __shared__ __align__(1024) uint8_t smem[];
-  __shared__ int s_last;
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  const int g = lane >> 2, tig = lane & 3;     // the mma fragments' row and column group
-  const int split = blockIdx.x % splits, lh = blockIdx.x / splits;
-  const int h = lh % hkv, b = lh / hkv;
-  const int count = min(counts[lh], list_len), length = lengths[b];
-  const int per = (count + splits - 1) / splits;
-  const int start = min(split * per, count), stop = min(start + per, count);
-  const int mine = max(0, (stop - start - warp + WARPS - 1) / WARPS);
-  const int per_max = (list_len + splits - 1) / splits;
-  int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES);
-  int* s_slot = s_phys + per_max;
+// One warp's running attention: the group's rows of the output (mma C fragments: row g,
+// columns 8 j + 2 tig + {0, 1}), running max (log2 units) and this lane's part of the sum.
+struct Acc {
+  float o[16][4];
+  float m, l;
+};
 
-  for (int i = threadIdx.x; i < stop - start; i += WARPS * 32) {
-    s_phys[i] = lists[static_cast<int64_t>(lh) * list_len + start + i];
-    s_slot[i] = slots[static_cast<int64_t>(lh) * list_len + start + i];
+__device__ __forceinline__ void reset(Acc& a) {
+#pragma unroll
+  for (int j = 0; j < 16; ++j) a.o[j][0] = a.o[j][1] = a.o[j][2] = a.o[j][3] = 0.f;
+  a.m = -INFINITY;
+  a.l = 0.f;
+}
+
+// The group's queries of list (b, h) as A fragments: row g (a query head when g < group),
+// columns 16 kk + 2 tig + {0, 1} and + 8.
+__device__ __forceinline__ void load_queries(const __nv_bfloat16* q, int b, int h, int hkv,
+                                             int group, int lane, uint32_t (&qa)[8][2]) {
+  const int g = lane >> 2, tig = lane & 3;
+  const __nv_bfloat16* qrow =
+      q + (static_cast<int64_t>(b) * hkv * group + h * group + min(g, group - 1)) * D + 2 * tig;
+#pragma unroll
+  for (int kk = 0; kk < 8; ++kk) {
+    qa[kk][0] = g < group ? *reinterpret_cast<const uint32_t*>(qrow + 16 * kk) : 0u;
+    qa[kk][1] = g < group ? *reinterpret_cast<const uint32_t*>(qrow + 16 * kk + 8) : 0u;
   }
-  __syncthreads();
+}
 
-  const __nv_bfloat16* kbase = kpages + h * n_pages * P * D;
-  const __nv_bfloat16* vbase = vpages + h * n_pages * P * D;
-  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
-                        warp * STAGES * 2 * PAGE_BYTES;
+// Warp `warp`'s share of n staged entries (w, w + WARPS, ...) of list (b, h) streamed into
+// `a`: page i + 1's copies in flight while page i's products run. Leaves no copy pending.
+__device__ __forceinline__ void stream_entries(const int* s_phys, const int* s_slot, int n,
+                                               const __nv_bfloat16* kbase,
+                                               const __nv_bfloat16* vbase, uint32_t ring,
+                                               const __nv_bfloat16* q, int b, int h, int hkv,
+                                               int group, int length, float scale_log2,
+                                               int warp, int lane, Acc& a) {
+  const int tig = lane & 3;
+  const int mine = max(0, (n - warp + WARPS - 1) / WARPS);
   auto issue = [&](int i) {
     const int64_t off = static_cast<int64_t>(s_phys[warp + WARPS * i]) * P * D;
     copy_page(ring + (i % STAGES) * 2 * PAGE_BYTES, kbase + off, vbase + off, lane);
@@ -124,22 +133,8 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (i < mine) issue(i);
     cp_commit();
   }
-
-  // The group's queries as A fragments: row g (a query head when g < group), columns
-  // 16 kk + 2 tig + {0, 1} and + 8.
-  uint32_t qa[8][2];
-  const __nv_bfloat16* qrow =
-      q + (static_cast<int64_t>(b) * hkv * group + h * group + min(g, group - 1)) * D + 2 * tig;
-#pragma unroll
-  for (int kk = 0; kk < 8; ++kk) {
-    qa[kk][0] = g < group ? *reinterpret_cast<const uint32_t*>(qrow + 16 * kk) : 0u;
-    qa[kk][1] = g < group ? *reinterpret_cast<const uint32_t*>(qrow + 16 * kk + 8) : 0u;
-  }
-  float o[16][4];
-#pragma unroll
-  for (int j = 0; j < 16; ++j) o[j][0] = o[j][1] = o[j][2] = o[j][3] = 0.f;
-  float m = -INFINITY, l = 0.f;
-
+  uint32_t qa[8][2];      // loaded while the first copies are in flight
+  load_queries(q, b, h, hkv, group, lane, qa);
   for (int i = 0; i < mine; ++i) {
     cp_wait<STAGES - 2>();
     __syncwarp();   // every lane's copies of page i landed, and page i - 1's slot is read
@@ -165,18 +160,18 @@ __global__ void __launch_bounds__(WARPS * 32)
     float mx = fmaxf(fmaxf(x[0], x[1]), fmaxf(x[2], x[3]));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 1));
     mx = fmaxf(mx, __shfl_xor_sync(0xffffffffu, mx, 2));
-    const float m_new = fmaxf(m, mx);
+    const float m_new = fmaxf(a.m, mx);
     const float base = m_new == -INFINITY ? 0.f : m_new;   // a fully masked page so far
-    const float alpha = exp2f(m - base);
+    const float alpha = exp2f(a.m - base);
     float p[4];
 #pragma unroll
     for (int e = 0; e < 4; ++e) p[e] = exp2f(x[e] - base);
-    l = l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
-    m = m_new;
+    a.l = a.l * alpha + (p[0] + p[1]) + (p[2] + p[3]);
+    a.m = m_new;
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      o[j][0] *= alpha;
-      o[j][1] *= alpha;
+      a.o[j][0] *= alpha;
+      a.o[j][1] *= alpha;
     }
     // The probabilities are already the A fragment of P V (columns = tokens).
     const uint32_t pa0 = pack_bf16(p[0], p[1]), pa2 = pack_bf16(p[2], p[3]);
@@ -185,30 +180,35 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int t = (((lane >> 3) & 1) << 3) + (lane & 7), c = 2 * jj + (lane >> 4);
       uint32_t b0, b1, b2, b3;
       ldsm_x4_t(vb + swizzled(t, c), b0, b1, b2, b3);
-      mma(o[2 * jj], pa0, pa2, b0, b1);
-      mma(o[2 * jj + 1], pa0, pa2, b2, b3);
+      mma(a.o[2 * jj], pa0, pa2, b0, b1);
+      mma(a.o[2 * jj + 1], pa0, pa2, b2, b3);
     }
   }
   cp_wait<0>();
-  l += __shfl_xor_sync(0xffffffffu, l, 1);
-  l += __shfl_xor_sync(0xffffffffu, l, 2);
-  __syncthreads();
+}
 
-  // The warps merged through shared memory (the ring, idle now).
+// The block's warps merged through shared memory (the ring: every warp's copies are done):
+// for each of the group's idx = head * D + column, emit(idx, normalised output, log2-sum-exp
+// of the head). Ends synchronised, so the ring may be refilled.
+template <class Emit>
+__device__ __forceinline__ void merge_warps(Acc& a, uint8_t* smem, int group, int warp,
+                                            int lane, Emit emit) {
+  const int g = lane >> 2, tig = lane & 3;
+  a.l += __shfl_xor_sync(0xffffffffu, a.l, 1);
+  a.l += __shfl_xor_sync(0xffffffffu, a.l, 2);
   float* s_o = reinterpret_cast<float*>(smem);            // [WARPS][group][D]
   float* s_m = s_o + WARPS * MAX_GROUP * D;                // [WARPS][group]
   float* s_l = s_m + WARPS * MAX_GROUP;
+  __syncthreads();
   if (g < group) {
 #pragma unroll
     for (int j = 0; j < 16; ++j) {
-      s_o[(warp * group + g) * D + 8 * j + 2 * tig] = o[j][0];
-      s_o[(warp * group + g) * D + 8 * j + 2 * tig + 1] = o[j][1];
+      s_o[(warp * group + g) * D + 8 * j + 2 * tig] = a.o[j][0];
+      s_o[(warp * group + g) * D + 8 * j + 2 * tig + 1] = a.o[j][1];
     }
-    if (tig == 0) s_m[warp * group + g] = m, s_l[warp * group + g] = l;
+    if (tig == 0) s_m[warp * group + g] = a.m, s_l[warp * group + g] = a.l;
   }
   __syncthreads();
-  const int64_t part = static_cast<int64_t>(lh) * splits + split;
-  __nv_bfloat16* out_row = out + static_cast<int64_t>(lh) * group * D;
   for (int idx = threadIdx.x; idx < group * D; idx += WARPS * 32) {
     const int hh = idx / D;
     float mm = -INFINITY;
@@ -221,28 +221,22 @@ __global__ void __launch_bounds__(WARPS * 32)
       acc += f * s_o[w * group * D + idx];
       den += f * s_l[w * group + hh];
     }
-    const float val = den > 0.f ? acc / den : 0.f;
-    if (splits == 1) {
-      out_row[idx] = __float2bfloat16(val);
-    } else {
-      part_o[part * group * D + idx] = val;
-      if (idx % D == 0) part_lse[part * group + hh] = den > 0.f ? mm + log2f(den) : -INFINITY;
-    }
+    emit(idx, den > 0.f ? acc / den : 0.f, den > 0.f ? mm + log2f(den) : -INFINITY);
   }
-  if (splits == 1) return;
-  __threadfence();   // this block's partial visible before its arrival is counted
   __syncthreads();
-  if (threadIdx.x == 0) s_last = atomicAdd(&arrivals[lh], 1) == splits - 1;
-  __syncthreads();
-  if (!s_last) return;
-  __threadfence();
-  const int64_t first = static_cast<int64_t>(lh) * splits;
+}
+
+// List `list`'s n partial results at parts first .. first + n - 1 (written by other blocks:
+// read past L1) rescaled to their common max and summed into its output row.
+__device__ __forceinline__ void merge_parts(const float* part_o, const float* part_lse,
+                                            int64_t first, int n, int group,
+                                            __nv_bfloat16* out_row) {
   for (int idx = threadIdx.x; idx < group * D; idx += WARPS * 32) {
     const int hh = idx / D;
     float mm = -INFINITY;
-    for (int s = 0; s < splits; ++s) mm = fmaxf(mm, __ldcg(&part_lse[(first + s) * group + hh]));
+    for (int s = 0; s < n; ++s) mm = fmaxf(mm, __ldcg(&part_lse[(first + s) * group + hh]));
     float acc = 0.f, den = 0.f;
-    for (int s = 0; s < splits; ++s) {
+    for (int s = 0; s < n; ++s) {
       const float lse = __ldcg(&part_lse[(first + s) * group + hh]);
       const float f = lse == -INFINITY ? 0.f : exp2f(lse - mm);
       acc += f * __ldcg(&part_o[(first + s) * group * D + idx]);
@@ -250,7 +244,164 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     out_row[idx] = __float2bfloat16(den > 0.f ? acc / den : 0.f);
   }
-  if (threadIdx.x == 0) arrivals[lh] = 0;
+}
+
+// This block's partial of a list written at `part`, its arrival counted on the list's
+// counter; the list's last block to arrive (of n) merges parts first .. first + n - 1 and
+// resets the counter for the next call.
+__device__ __forceinline__ void arrive(int* counter, int n, const float* part_o,
+                                       const float* part_lse, int64_t first, int group,
+                                       __nv_bfloat16* out_row, int* s_last) {
+  __threadfence();   // this block's partial visible before its arrival is counted
+  __syncthreads();
+  if (threadIdx.x == 0) *s_last = atomicAdd(counter, 1) == n - 1;
+  __syncthreads();
+  if (*s_last) {
+    __threadfence();
+    merge_parts(part_o, part_lse, first, n, group, out_row);
+    if (threadIdx.x == 0) *counter = 0;
+  }
+  __syncthreads();   // s_last is read by every thread before the next list sets it
+}
+
+// Entries [start, start + n) of list `list` into shared memory.
+__device__ __forceinline__ void stage(const int* lists, const int* slots, int list, int list_len,
+                                      int start, int n, int* s_phys, int* s_slot) {
+  const int64_t row = static_cast<int64_t>(list) * list_len + start;
+  for (int i = threadIdx.x; i < n; i += WARPS * 32) {
+    s_phys[i] = lists[row + i];
+    s_slot[i] = slots[row + i];
+  }
+}
+
+// The lists' units laid end to end (a unit is a page; a list without pages has one, whose
+// block writes its zeros): s_ends[i] = the units of lists 0 .. i; s_span = the fewest and
+// most units of a list.
+__device__ __forceinline__ void list_ends(const int* counts, int list_len, int n, int* s_ends,
+                                          int* s_warp, int* s_span) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  const int per = (n + WARPS * 32 - 1) / (WARPS * 32);
+  const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
+  if (threadIdx.x == 0) s_span[0] = INT_MAX, s_span[1] = 0;
+  int sum = 0, fewest = INT_MAX, most = 0;
+  for (int i = lo; i < hi; ++i) {
+    const int units = max(min(counts[i], list_len), 1);
+    sum += units;
+    fewest = min(fewest, units);
+    most = max(most, units);
+  }
+  int x = sum;   // the inclusive scan of the threads' sums, warp by warp
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) s_warp[warp] = x;
+  __syncthreads();
+  if (lo < hi) atomicMin(&s_span[0], fewest), atomicMax(&s_span[1], most);
+  int run = x - sum;
+  for (int w = 0; w < warp; ++w) run += s_warp[w];
+  for (int i = lo; i < hi; ++i) {
+    run += max(min(counts[i], list_len), 1);
+    s_ends[i] = run;
+  }
+  __syncthreads();
+}
+
+// How the blocks share the lists. Even: list i's `splits` parts of ceil(units / splits)
+// entries are blocks of work lists * splits in all, taken by the gridDim.x blocks in turn,
+// each part merged with its list's others at parts i * splits ... Stream-K: block p takes
+// units [p * chunk, (p + 1) * chunk) of the lists laid end to end, chunk = ceil(total /
+// blocks), across lists' ends where they fall, so every block has the same work however
+// ragged the lists are; a list inside one block is written out directly, otherwise each of
+// its blocks writes a part at p + i (parts run in the order of their units and from one to
+// the next p or i or both grow, so each has its own place) and the last to arrive merges
+// parts p_first + i .. p_last + i. `balance` 1: stream-K, 0: even, -1: even when the lists
+// are all one length and the even blocks fill the GPU as well (no more than one wave, or a
+// block's work within 10% of stream-K's: BENCHMARKS.md, kernel run AL), else stream-K.
+__global__ void __launch_bounds__(WARPS * 32)
+    attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
+                  const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
+                  const int* __restrict__ slots, const int* __restrict__ counts,
+                  const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
+                  float* part_o, float* part_lse, int* arrivals, int hkv, int group,
+                  int64_t n_pages, int list_len, int n_lists, int splits, int balance, int cap,
+                  float scale_log2) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  __shared__ int s_last, s_warp[WARPS], s_span[2];
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES);
+  int* s_slot = s_phys + cap;
+  int* s_ends = s_slot + cap;
+  const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
+                        warp * STAGES * 2 * PAGE_BYTES;
+  const int blocks = gridDim.x;
+  list_ends(counts, list_len, n_lists, s_ends, s_warp, s_span);
+  const int total = s_ends[n_lists - 1];
+
+  // Entries [from, to) of list i into `a`, `cap` staged at a time.
+  auto attend = [&](int i, int from, int to, Acc& a) {
+    const int h = i % hkv, b = i / hkv;
+    reset(a);
+    for (int s = from; s < to; s += cap) {
+      const int n = min(cap, to - s);
+      stage(lists, slots, i, list_len, s, n, s_phys, s_slot);
+      __syncthreads();
+      stream_entries(s_phys, s_slot, n, kpages + h * n_pages * P * D,
+                     vpages + h * n_pages * P * D, ring, q, b, h, hkv, group, lengths[b],
+                     scale_log2, warp, lane, a);
+      __syncthreads();   // every warp is done with the staged entries
+    }
+  };
+  // The block's part of list i: its output row if it is the list's only part, else part
+  // `part` of the n at first .. first + n - 1.
+  auto finish = [&](int i, Acc& a, int64_t part, int64_t first, int n) {
+    __nv_bfloat16* out_row = out + static_cast<int64_t>(i) * group * D;
+    if (n == 1) {
+      merge_warps(a, smem, group, warp, lane,
+                  [&](int idx, float val, float) { out_row[idx] = __float2bfloat16(val); });
+      return;
+    }
+    merge_warps(a, smem, group, warp, lane, [&](int idx, float val, float lse) {
+      part_o[part * group * D + idx] = val;
+      if (idx % D == 0) part_lse[part * group + idx / D] = lse;
+    });
+    arrive(&arrivals[i], n, part_o, part_lse, first, group, out_row, &s_last);
+  };
+
+  const int units = s_span[1], per = (units + splits - 1) / splits;
+  const int even_blocks = n_lists * splits;
+  const bool even = balance == 0 ||
+      (balance < 0 && s_span[0] == units &&
+       (even_blocks <= blocks ||
+        10LL * ((even_blocks + blocks - 1) / blocks) * per <=
+            11LL * ((total + blocks - 1) / blocks)));
+  Acc a;
+  if (even) {
+    for (int v = blockIdx.x; v < even_blocks; v += blocks) {
+      const int i = v / splits, split = v % splits;
+      const int count = min(counts[i], list_len), each = (count + splits - 1) / splits;
+      const int from = min(split * each, count);
+      attend(i, from, min(from + each, count), a);
+      finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
+    }
+    return;
+  }
+  const int chunk = (total + blocks - 1) / blocks;
+  const int lo = blockIdx.x * chunk, hi = min(lo + chunk, total);
+  int i = 0;
+  for (int top = n_lists; i < top;) {    // the first list ending after lo
+    const int mid = (i + top) / 2;
+    if (s_ends[mid] > lo) top = mid; else i = mid + 1;
+  }
+  for (; i < n_lists && lo < hi; ++i) {
+    const int end = s_ends[i], first = i > 0 ? s_ends[i - 1] : 0;
+    if (first >= hi) break;
+    attend(i, max(lo, first) - first, min(min(hi, end) - first, min(counts[i], list_len)), a);
+    const int p_first = first / chunk, p_last = (end - 1) / chunk;
+    finish(i, a, static_cast<int64_t>(blockIdx.x) + i, static_cast<int64_t>(p_first) + i,
+           p_last - p_first + 1);
+  }
 }
 
 ffi::Error Check(cudaError_t e, const char* what) {
@@ -287,42 +438,49 @@ ffi::ErrorOr<int> RaiseSharedLimit() {
   return dynamic[device];
 }
 
+// The parts buffers hold max(programs + lists, lists * splits) parts (attend_kernel).
 ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   ffi::Buffer<ffi::S32> phys, ffi::Buffer<ffi::S32> slots,
                   ffi::Buffer<ffi::S32> counts, ffi::Buffer<ffi::S32> lengths,
                   ffi::Buffer<ffi::S32> /*arrivals, aliased to the second result*/,
                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> arrivals,
                   ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-                  ffi::Result<ffi::Buffer<ffi::F32>> part_lse, int64_t splits) {
+                  ffi::Result<ffi::Buffer<ffi::F32>> part_lse, int64_t splits, int64_t programs,
+                  int64_t balance) {
   auto qd = q.dimensions(), kd = k.dimensions(), ld = phys.dimensions();
   if (q.element_type() != ffi::BF16 || k.element_type() != ffi::BF16 ||
       v.element_type() != ffi::BF16 || qd.size() != 3 || kd.size() != 4 || ld.size() != 3 ||
       qd[2] != D || kd[2] != P || kd[3] != D || kd[0] != ld[1] || qd[0] != ld[0] ||
-      qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1) {
-    return ffi::Error::InvalidArgument("sparrow_sparse_attend: unsupported shapes or dtypes");
+      qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1 || programs < 1 ||
+      balance < -1 || balance > 1) {
+    return ffi::Error::InvalidArgument("sparrow_sparse_attend: unsupported arguments");
   }
   const int hkv = static_cast<int>(kd[0]), group = static_cast<int>(qd[1] / kd[0]);
   const int list_len = static_cast<int>(ld[2]);
   const int64_t lists = ld[0] * ld[1];
-  const int per_max = static_cast<int>((list_len + splits - 1) / splits);
-  const size_t shared = RING_BYTES + 2 * sizeof(int) * per_max;
+  if (lists == 0) return ffi::Error::Success();
   ffi::ErrorOr<int> limit = RaiseSharedLimit();
   if (limit.has_error()) return limit.error();
-  if (shared > static_cast<size_t>(*limit)) {
+  // Entries staged at once: the most a block's part of a list can hold, or what fits.
+  const int64_t longest = std::max<int64_t>(
+      (lists * std::max(list_len, 1) + programs - 1) / programs, (list_len + splits - 1) / splits);
+  const int64_t room = (*limit - RING_BYTES - 4 * lists) / 8;
+  const int64_t cap = std::min(longest, room);
+  if (room < WARPS) {
     return ffi::Error::InvalidArgument(
-        "sparrow_sparse_attend: " + std::to_string(per_max) + " list entries a split need " +
-        std::to_string(shared) + " bytes of shared memory, more than the device's " +
-        std::to_string(*limit) + ": use more splits");
+        "sparrow_sparse_attend: " + std::to_string(lists) + " lists leave too little shared "
+        "memory to stage their entries");
   }
-  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(D));
-  attend_kernel<<<static_cast<unsigned>(lists * splits), WARPS * 32, shared, stream>>>(
+  attend_kernel<<<static_cast<unsigned>(programs), WARPS * 32, RING_BYTES + 8 * cap + 4 * lists,
+                  stream>>>(
       reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
       reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
       reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
       slots.typed_data(), counts.typed_data(), lengths.typed_data(),
       reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
       part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
-      static_cast<int>(splits), scale_log2);
+      static_cast<int>(lists), static_cast<int>(splits), static_cast<int>(balance),
+      static_cast<int>(cap), 1.4426950408889634f / sqrtf(static_cast<float>(D)));
   return Check(cudaGetLastError(), "sparrow_sparse_attend launch");
 }
 
@@ -343,5 +501,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseAttend, Attend,
                                   .Ret<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("splits"),
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("programs")
+                                  .Attr<int64_t>("balance"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -39,8 +39,8 @@ from pallas_kernels.paged_attend_gpu import sm_count
 SOURCE = Path(__file__).with_suffix(".cu")
 TARGET = "sparrow_sparse_attend"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
-# The kernel's warps a block and the entries of a split it stages in shared memory.
-WARPS, MAX_SPLIT_ENTRIES = 8, 4096
+# The kernel's warps a block.
+WARPS = 8
 
 
 def find_nvcc() -> str | None:
@@ -125,26 +125,28 @@ def unsupported_args(q, k_pages, page_size: int) -> str | None:
 
 
 def default_cuda_splits(lists: int, max_pages: int, sms: int) -> int:
-    """Splits of each list: enough that the lists' blocks number about half the SMs (H200,
-    run AJ: at batches 1, 8 and 32 the fastest had 64, 64 and 256 blocks of 8 warps on 132
-    SMs; more splits lose to the merges), at least one page a warp, and at most
-    :data:`MAX_SPLIT_ENTRIES` entries a split."""
-    want = max(1, (sms // 2) // lists)
-    most = max(1, max_pages // WARPS)
-    least = -(-max_pages // MAX_SPLIT_ENTRIES)
-    return max(least, min(want, most))
+    """Even splits of each list: enough that the lists' blocks number about half the SMs
+    (H200, run AJ: at batches 1, 8 and 32 the fastest had 64, 64 and 256 blocks of 8 warps
+    on 132 SMs; more splits lose to the merges), and at least one page a warp."""
+    return max(1, min((sms // 2) // lists, max_pages // WARPS))
 
 
 def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
-                           splits: int | None = None, arrivals=None):
+                           splits: int | None = None, programs: int | None = None,
+                           balanced: bool | None = None, arrivals=None):
     """q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, phys and slots ``[B, Hkv, L]``, count
     ``[B, Hkv, 1]`` (the lists of
     :func:`pallas_kernels.sparse_decode_gpu.select_page_lists`), lengths ``[B]`` ->
-    ``[B, Hq, D]`` bf16. ``splits``: parts of each list attended by blocks of their own
-    (None: :func:`default_cuda_splits`). ``arrivals``: zeros ``[B, Hkv, 1]`` int32 the call
-    may use as its merge counters (the selection's, which saves a launch); None: made here.
-    Arguments it does not take raise one line (:func:`unsupported_args`); where it cannot
-    run (:func:`unavailable`) the call fails when it runs, so check that first."""
+    ``[B, Hq, D]`` bf16, on ``programs`` blocks (None: one an SM, what their shared memory
+    allows). How the blocks share the lists (``balanced``): True, stream-K, each block the
+    same share of all the lists' pages however ragged they are; False, even splits, each
+    list in ``splits`` parts (None: :func:`default_cuda_splits`) taken by the blocks in
+    turn; None, decided on the device for the lists at hand: even splits when the lists are
+    all one length and their parts fill the GPU as well, else stream-K. ``arrivals``: zeros
+    ``[B, Hkv, 1]`` int32 the call may use as its merge counters (the selection's, which
+    saves a launch); None: made here. Arguments it does not take raise one line
+    (:func:`unsupported_args`); where it cannot run (:func:`unavailable`) the call fails
+    when it runs, so check that first."""
     why = unsupported_args(q, k_pages, k_pages.shape[2])
     if why is not None:
         raise ValueError(f"attend_page_lists_cuda: {why}")
@@ -152,23 +154,23 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     hkv = k_pages.shape[0]
     group = hq // hkv
     lists, width = b * hkv, phys.shape[-1]
-    if splits is None:
-        splits = default_cuda_splits(lists, width, sm_count())
-    per_split = -(-width // splits)
-    if per_split > MAX_SPLIT_ENTRIES:
-        raise ValueError(f"attend_page_lists_cuda: splits={splits} leaves {per_split} list "
-                         f"entries a split, over {MAX_SPLIT_ENTRIES}: use at least "
-                         f"{-(-width // MAX_SPLIT_ENTRIES)}")
+    programs = sm_count() if programs is None else programs
+    splits = default_cuda_splits(lists, width, sm_count()) if splits is None else splits
+    if programs < 1 or splits < 1:
+        raise ValueError(f"attend_page_lists_cuda: programs and splits must be >= 1, got "
+                         f"{programs} and {splits}")
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
+    parts = max(programs + lists, lists * splits)
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct(arrivals.shape, jnp.int32),
-         jax.ShapeDtypeStruct((lists * splits, group, d), jnp.float32),
-         jax.ShapeDtypeStruct((lists * splits, group), jnp.float32)),
+         jax.ShapeDtypeStruct((parts, group, d), jnp.float32),
+         jax.ShapeDtypeStruct((parts, group), jnp.float32)),
         input_output_aliases={7: 1})
     out, *_ = call(q, k_pages, v_pages, phys.astype(jnp.int32), slots.astype(jnp.int32),
                    count.astype(jnp.int32), lengths.astype(jnp.int32), arrivals,
-                   splits=np.int64(splits))
+                   splits=np.int64(splits), programs=np.int64(programs),
+                   balance=np.int64({None: -1, False: 0, True: 1}[balanced]))
     return out

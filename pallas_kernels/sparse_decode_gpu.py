@@ -165,9 +165,12 @@ class GpuDecodeTuning:
       ``"pallas"`` (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists`, the only one
       in interpret mode), or ``"auto"``: cuda where it runs (bf16, head_dim 128, page 16,
       a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
-      cuda, ``splits`` sets its splits (None:
-      :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`) and ``block_pages``,
-      ``attend_warps``, ``attend_stages`` and ``balanced`` are unused.
+      cuda, ``balanced`` True is stream-K, False even splits (``splits`` of each list, None:
+      :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`), None (unless
+      ``splits`` is set) decided on the device for each call's lists: even splits when the
+      lists are all one length and their parts fill the GPU as well, else stream-K;
+      ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
+    attend_programs: the CUDA attention's blocks (None: one an SM).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -178,6 +181,7 @@ class GpuDecodeTuning:
     attend_stages: int = 1
     balanced: bool | None = None
     attend: str = "auto"
+    attend_programs: int | None = None
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -189,12 +193,16 @@ class GpuDecodeTuning:
         """These settings with block_pages, splits, balanced and score_chunk decided for one
         problem (``summaries``: vectors a page is scored from, 2 for Quest)."""
         bp = self.block_pages or default_block_pages(page_size)
-        if self.attend == "cuda":
-            splits = self.splits or default_cuda_splits(batch * kv_heads, max_pages, sm_count())
-        else:
-            splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
-        balanced = (self.splits is None and batch > 1) if self.balanced is None else self.balanced
         chunk = self.score_chunk or default_score_chunk(summaries)
+        if self.attend == "cuda":
+            return dataclasses.replace(
+                self, block_pages=bp, score_chunk=chunk,
+                splits=self.splits or default_cuda_splits(batch * kv_heads, max_pages,
+                                                          sm_count()),
+                balanced=False if self.balanced is None and self.splits else self.balanced,
+                attend_programs=self.attend_programs or sm_count())
+        splits = self.splits or default_splits(batch, kv_heads, max_pages, bp)
+        balanced = (self.splits is None and batch > 1) if self.balanced is None else self.balanced
         return dataclasses.replace(self, block_pages=bp, splits=splits, balanced=balanced,
                                    score_chunk=chunk)
 
@@ -547,7 +555,8 @@ def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_p
         arrivals=cuda or tuning.balanced)
     if cuda:
         return attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths,
-                                      splits=tuning.splits, arrivals=arrivals[0])
+                                      splits=tuning.splits, programs=tuning.attend_programs,
+                                      balanced=tuning.balanced, arrivals=arrivals[0])
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret,
                              arrivals=arrivals[0] if arrivals else None)

@@ -115,8 +115,8 @@ def parse_variant(spec):
     one (neither: "auto", the CUDA one where it runs)."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
-                 p="attend")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvap])(\d+)", spec)}
+                 p="attend", n="attend_programs")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapn])(\d+)", spec)}
     if "balanced" in kw:
         kw["balanced"] = bool(kw["balanced"])
     if "attend" in kw:
@@ -246,10 +246,16 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
 
     parts = {}
     if cuda_unavailable() is None:
-        # The CUDA attention on the same lists, checked like a whole step's.
-        parts["part_attend_cuda"] = (kb * P, attend_page_lists_cuda,
-                                     (q, k_pages, v_pages, phys, slots, count, lengths),
-                                     b * HKV * kb * P * D * 2 * 2)
+        # The CUDA attention on the same lists, checked like a whole step's: as the device
+        # decides, even splits, stream-K; then with one row running (not checked).
+        for name, balanced in (("", None), ("_even", False), ("_streamk", True)):
+            run_cuda = functools.partial(attend_page_lists_cuda, balanced=balanced)
+            parts[f"part_attend_cuda{name}"] = (kb * P, run_cuda, (q, k_pages, v_pages, phys,
+                                                                   slots, count, lengths),
+                                                b * HKV * kb * P * D * 2 * 2)
+            parts[f"part_attend_cuda{name}_lone"] = (None, run_cuda, (q, k_pages, v_pages, phys,
+                                                                      slots, lone, lengths),
+                                                     lone_bytes)
     if minmax is not None:
         quest = given.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb, summaries=2)
 

@@ -1,5 +1,6 @@
 """The CUDA attention of the sparse step (pallas_kernels/sparse_attend_cuda.cu) against float64
-NumPy: over hand-made page lists (ragged counts, empty lists, masked tails, any split), and as
+NumPy: over hand-made page lists (ragged counts, empty lists, masked tails; even splits and
+stream-K, and the choice between them made on the device), and as
 the attention of the whole step (``GpuDecodeTuning(attend="cuda")``) on issue 5's matrix
 against the reference of docs/design.md, section 3 (tests/reference_np.py). These need an
 NVIDIA GPU and nvcc; on a CPU they are skipped with that reason. What runs on a CPU: the
@@ -9,6 +10,7 @@ choice between the CUDA and the Pallas attention, and the splits' rule.
 from __future__ import annotations
 
 import ctypes
+import functools
 import re
 
 import jax
@@ -69,16 +71,26 @@ def attention_np(q, k, v, phys, slots, counts, lengths):
     return out
 
 
+LAYOUTS = {   # how the blocks share the lists
+    "even1": dict(balanced=False, splits=1), "even3": dict(balanced=False, splits=3),
+    "even16": dict(balanced=False, splits=16),
+    "even3_on5": dict(balanced=False, splits=3, programs=5),   # blocks take several parts
+    "streamk1": dict(balanced=True, programs=1), "streamk5": dict(balanced=True, programs=5),
+    "streamk64": dict(balanced=True, programs=64), "auto": {}}
+
+
 @needs_cuda
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
-@pytest.mark.parametrize("splits", [1, 2, 3, 16])
-def test_lists_match_float64(group, splits):
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_lists_match_float64(group, layout):
     """Ragged counts (0, 1, fewer than the block's 8 warps, more than a split holds), junk
-    past each count, the last page's tail masked; splits more than some lists' entries."""
-    rng = np.random.default_rng(group * 31 + splits)
+    past each count, the last page's tail masked; even splits more than some lists' entries,
+    and stream-K on one block (every list in it), on blocks that share lists and lists that
+    share blocks, and on more blocks than pages."""
+    rng = np.random.default_rng(group * 31 + list(LAYOUTS).index(layout))
     counts = [[0, 1, 5, 40], [9, 17, 33, 2], [40, 3, 8, 16]]
     args = lists_case(rng, b=3, hkv=4, group=group, counts=counts, short=5)
-    got = jax.jit(attend_page_lists_cuda, static_argnames="splits")(*args, splits=splits)
+    got = jax.jit(functools.partial(attend_page_lists_cuda, **LAYOUTS[layout]))(*args)
     assert got.shape == args[0].shape and got.dtype == jnp.bfloat16
     want = attention_np(*args)
     got = as64(got)
@@ -87,18 +99,41 @@ def test_lists_match_float64(group, splits):
 
 
 @needs_cuda
+@pytest.mark.parametrize("layout", ["even1", "even3_on5", "streamk5", "auto"])
+def test_lists_of_one_length(layout):
+    """Every list as long (the even splits' case, which the device picks for "auto")."""
+    rng = np.random.default_rng(5)
+    args = lists_case(rng, b=4, hkv=2, group=4, counts=[[24, 24]] * 4)
+    got = jax.jit(functools.partial(attend_page_lists_cuda, **LAYOUTS[layout]))(*args)
+    assert_kernel_close(as64(got), attention_np(*args), low_precision=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("balanced", [False, True])
+def test_long_lists_are_staged_in_pieces(balanced):
+    """A list of 14000 pages, more entries than the block's shared memory stages at once
+    (~12K beside its 128 KB of page stages): staged in pieces."""
+    rng = np.random.default_rng(11)
+    args = lists_case(rng, b=1, hkv=1, group=4, counts=[[13990]], pool=14100, width=14000)
+    got = jax.jit(functools.partial(attend_page_lists_cuda, balanced=balanced, splits=1,
+                                    programs=1))(*args)
+    assert_kernel_close(as64(got), attention_np(*args), low_precision=True)
+
+
+@needs_cuda
 def test_repeated_calls_reset_their_counters():
     """The merge counters are reset by the call that used them: the same call twice, and a
     call on counters it was given, agree with the first."""
     rng = np.random.default_rng(3)
     args = lists_case(rng, b=2, hkv=2, group=4, counts=[[40, 30], [12, 7]])
-    call = jax.jit(attend_page_lists_cuda, static_argnames="splits")
-    first = np.asarray(call(*args, splits=4).astype(jnp.float32))
-    again = np.asarray(call(*args, splits=4).astype(jnp.float32))
-    given = np.asarray(call(*args, splits=4, arrivals=jnp.zeros((2, 2, 1), jnp.int32)
-                            ).astype(jnp.float32))
-    np.testing.assert_array_equal(first, again)
-    np.testing.assert_array_equal(first, given)
+    call = jax.jit(attend_page_lists_cuda, static_argnames=("splits", "programs", "balanced"))
+    for how in (dict(splits=4, balanced=False), dict(programs=7, balanced=True)):
+        first = np.asarray(call(*args, **how).astype(jnp.float32))
+        again = np.asarray(call(*args, **how).astype(jnp.float32))
+        given = np.asarray(call(*args, **how, arrivals=jnp.zeros((2, 2, 1), jnp.int32)
+                                ).astype(jnp.float32))
+        np.testing.assert_array_equal(first, again)
+        np.testing.assert_array_equal(first, given)
 
 
 def check_step(rng, lengths, budgets, r, **tuning):
@@ -113,9 +148,10 @@ def check_step(rng, lengths, budgets, r, **tuning):
 
 @needs_cuda
 @pytest.mark.parametrize("r", [1, 2, 4, 5, 8])
-@pytest.mark.parametrize("splits", [None, 1, 3])
-def test_step_matches_float64_reference(r, splits):
-    check_step(np.random.default_rng(r), KERNEL_LENGTHS, KERNEL_BUDGETS, r, splits=splits)
+@pytest.mark.parametrize("how", [{}, dict(splits=1), dict(splits=3), dict(balanced=False),
+                                 dict(balanced=True), dict(balanced=True, attend_programs=3)])
+def test_step_matches_float64_reference(r, how):
+    check_step(np.random.default_rng(r), KERNEL_LENGTHS, KERNEL_BUDGETS, r, **how)
 
 
 @needs_cuda
@@ -156,14 +192,13 @@ def test_choice_between_cuda_and_pallas():
 
 
 def test_default_splits_rule():
-    """Blocks about half the SMs (132 on an H200: 66), at least one page a warp, at most 4096
-    entries a split."""
+    """Blocks about half the SMs (132 on an H200: 66), at least one page a warp."""
     assert default_cuda_splits(256, 128, 132) == 1         # batch 32 x 8 KV heads
     assert default_cuda_splits(64, 128, 132) == 1          # batch 8
     assert default_cuda_splits(8, 128, 132) == 8           # batch 1
     assert default_cuda_splits(8, 32, 132) == 4            # 32 pages: 4 splits of 8
     assert default_cuda_splits(8, 4, 132) == 1
-    assert default_cuda_splits(256, 8192, 132) == 2        # entries a split
+    assert default_cuda_splits(256, 8192, 132) == 1        # long lists: staged in pieces
 
 
 @pytest.mark.skipif(find_nvcc() is None, reason="no nvcc here to build the CUDA attention")
