@@ -345,7 +345,8 @@ def main(argv=None):
     ap.add_argument("--main-budget", type=int, default=2048)
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
-    ap.add_argument("--skip", nargs="*", default=[], help="implementations not to run")
+    ap.add_argument("--skip", nargs="*", default=[],
+                    help="implementations (and --breakdown parts) not to run")
     ap.add_argument("--kernel-configs", default="b4",
                     help="kernel variants (GpuDecodeTuning), comma separated, each "
                          "letters+numbers: b block_pages, s splits, w attention warps, "
@@ -502,7 +503,8 @@ def main(argv=None):
                     parts = breakdown_cases(variants[0][1], q, k_pages, v_pages, centroids,
                                             table, lengths, budgets, kb, b, m, args.interpret,
                                             minmax)
-                    cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()})
+                    cases.update({f"{k}@{budget_tokens}": c for k, c in parts.items()
+                                  if k not in args.skip})
                     # Scoring alone with each other variant's settings.
                     for name, tuning in variants[1:]:
                         part = breakdown_cases(tuning, q, k_pages, v_pages, centroids, table,
