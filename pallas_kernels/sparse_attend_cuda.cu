@@ -316,9 +316,11 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
 // ragged the lists are; a list inside one block is written out directly, otherwise each of
 // its blocks writes a part at p + i (parts run in the order of their units and from one to
 // the next p or i or both grow, so each has its own place) and the last to arrive merges
-// parts p_first + i .. p_last + i. `balance` 1: stream-K, 0: even, -1: even when the lists
-// are all one length and the even blocks fill the GPU as well (no more than one wave, or a
-// block's work within 10% of stream-K's: BENCHMARKS.md, kernel run AL), else stream-K.
+// parts p_first + i .. p_last + i. `balance` 1: stream-K, 0: even, -1: stream-K where the
+// lists are all one length and their even parts leave the GPU idle (more than one wave and
+// a block's work over 1.1x stream-K's, e.g. 19 rows' 152 lists on 132 SMs), else even
+// (BENCHMARKS.md, kernel run AL: with one long row among finished ones, stream-K's merges
+// of ~16 parts a list, one load at a time, made it slower than even splits).
 __global__ void __launch_bounds__(WARPS * 32)
     attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
                   const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
@@ -372,10 +374,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int units = s_span[1], per = (units + splits - 1) / splits;
   const int even_blocks = n_lists * splits;
   const bool even = balance == 0 ||
-      (balance < 0 && s_span[0] == units &&
-       (even_blocks <= blocks ||
-        10LL * ((even_blocks + blocks - 1) / blocks) * per <=
-            11LL * ((total + blocks - 1) / blocks)));
+      (balance < 0 && (s_span[0] != units || even_blocks <= blocks ||
+                       10LL * ((even_blocks + blocks - 1) / blocks) * per <=
+                           11LL * ((total + blocks - 1) / blocks)));
   Acc a;
   if (even) {
     for (int v = blockIdx.x; v < even_blocks; v += blocks) {

@@ -167,8 +167,8 @@ class GpuDecodeTuning:
       a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
       cuda, ``balanced`` True is stream-K, False even splits (``splits`` of each list, None:
       :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`), None (unless
-      ``splits`` is set) decided on the device for each call's lists: even splits when the
-      lists are all one length and their parts fill the GPU as well, else stream-K;
+      ``splits`` is set) decided on the device for each call's lists: stream-K where they
+      are all one length and their even parts leave the GPU idle, else even splits;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
     """

@@ -76,7 +76,9 @@ LAYOUTS = {   # how the blocks share the lists
     "even16": dict(balanced=False, splits=16),
     "even3_on5": dict(balanced=False, splits=3, programs=5),   # blocks take several parts
     "streamk1": dict(balanced=True, programs=1), "streamk5": dict(balanced=True, programs=5),
-    "streamk64": dict(balanced=True, programs=64), "auto": {}}
+    "streamk64": dict(balanced=True, programs=64), "auto": {},
+    # lists of one length whose 8 even parts take two rounds of 5 blocks: stream-K
+    "auto_on5": dict(programs=5, splits=1)}
 
 
 @needs_cuda
@@ -99,9 +101,9 @@ def test_lists_match_float64(group, layout):
 
 
 @needs_cuda
-@pytest.mark.parametrize("layout", ["even1", "even3_on5", "streamk5", "auto"])
+@pytest.mark.parametrize("layout", ["even1", "even3_on5", "streamk5", "auto", "auto_on5"])
 def test_lists_of_one_length(layout):
-    """Every list as long (the even splits' case, which the device picks for "auto")."""
+    """Every list as long: "auto" is even splits on the default blocks, stream-K on 5."""
     rng = np.random.default_rng(5)
     args = lists_case(rng, b=4, hkv=2, group=4, counts=[[24, 24]] * 4)
     got = jax.jit(functools.partial(attend_page_lists_cuda, **LAYOUTS[layout]))(*args)
