@@ -187,6 +187,8 @@ class GpuDecodeTuning:
         check_launch_settings(self)
         if self.attend not in ATTEND_IMPLS:
             raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
+        if self.attend_programs is not None and self.attend_programs < 1:
+            raise ValueError(f"attend_programs must be >= 1, got {self.attend_programs}")
 
     def resolve(self, *, page_size: int, batch: int, kv_heads: int, max_pages: int,
                 summaries: int = 1) -> GpuDecodeTuning:

@@ -188,6 +188,19 @@ def test_choice_between_cuda_and_pallas():
         resolve_attend("cuda", q, k, P, interpret=True)
     with pytest.raises(ValueError, match="attend must be one of"):
         GpuDecodeTuning(attend="triton")
+    with pytest.raises(ValueError, match="attend_programs must be >= 1, got 0"):
+        GpuDecodeTuning(attend_programs=0)
+    with pytest.raises(ValueError, match=r"^attend_page_lists_cuda: programs and splits must"):
+        attend_page_lists_cuda(q, k, k, *(jnp.zeros((2, 2, 4), jnp.int32),) * 2,
+                               jnp.ones((2, 2, 1), jnp.int32), jnp.ones((2,), jnp.int32),
+                               programs=0)
+    # Settings for the CUDA attention: splits set means even splits, as for the Pallas one.
+    resolved = GpuDecodeTuning(attend="cuda", splits=2).resolve(
+        page_size=P, batch=4, kv_heads=8, max_pages=128)
+    assert (resolved.balanced, resolved.splits, resolved.attend_programs) == (False, 2, 132)
+    resolved = GpuDecodeTuning(attend="cuda").resolve(page_size=P, batch=1, kv_heads=8,
+                                                      max_pages=128)
+    assert (resolved.balanced, resolved.splits) == (None, 8)
     if WHY is not None:       # this host: "auto" falls back, saying why
         with pytest.warns(UserWarning, match="Pallas attention instead"):
             assert resolve_attend("auto", q, k, P, interpret=False) == "pallas"
