@@ -111,8 +111,9 @@ def dense_cuda_lists(q, k_pages, v_pages, lists, lengths, *, slots):
 
 def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
-    attend_warps=4)); 'a1': the balanced attention; 'p1': the Pallas attention, 'p0' the CUDA
-    one (neither: "auto", the CUDA one where it runs)."""
+    attend_warps=4)); 'a1': the balanced attention (CUDA: stream-K; 'a0' even splits, neither
+    the device's choice); 'p1': the Pallas attention, 'p0' the CUDA one (neither: "auto", the
+    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
                  p="attend", n="attend_programs")
@@ -351,7 +352,9 @@ def main(argv=None):
                     help="kernel variants (GpuDecodeTuning), comma separated, each "
                          "letters+numbers: b block_pages, s splits, w attention warps, "
                          "g attention stages, c score_chunk, v score warps, t select warps, "
-                         "a1 the balanced attention (e.g. b4s2w2g1c64v4t4, b4a1)")
+                         "a1 the balanced attention (CUDA: stream-K, a0 even splits), "
+                         "p1 the Pallas attention, n the CUDA attention's blocks "
+                         "(e.g. b4s2w2g1c64v4t4, b4a1, b4a1n66)")
     ap.add_argument("--triton-configs", default="",
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "
                          "'default', or letters+numbers: b block_pages, s splits, w attention "
