@@ -11,12 +11,11 @@
 // Shapes: q [B, Hkv * G, 128] bf16 (G <= 8 query heads a KV head), pages [Hkv, N, 16, 128]
 // bf16, phys / slots [B, Hkv, L] int32 (physical page, and page index in the sequence),
 // counts [B, Hkv] int32 (entries used), lengths [B] int32 -> out [B, Hkv * G, 128] bf16.
-// Grid: one block of W warps per (list, split); split s of a list of `count` entries takes
-// entries [s * per, min(count, (s + 1) * per)), per = ceil(count / S), and warp w of the
-// block the entries w, w + W, ... of its split. The block's warps are merged in shared
-// memory; with S > 1 the block writes a partial (normalised output, log2-sum-exp) and the
-// last of the list's blocks to arrive (`arrivals`, zero on entry and reset to zero by that
-// block) merges the S partials.
+// Grid: a persistent block of W warps an SM (`programs`), sharing the lists by even splits or
+// stream-K (attend_kernel); warp w of a block takes the entries w, w + W, ... of its share.
+// The block's warps are merged in shared memory; a list shared by several blocks has each
+// write a partial (normalised output, log2-sum-exp) and the last of them to arrive
+// (`arrivals`, zero on entry and reset to zero by that block) merges the partials.
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -36,6 +35,11 @@ constexpr int P = 16, D = 128, MAX_GROUP = 8, CHUNKS = D / 8;   // 16-byte chunk
 constexpr int PAGE_BYTES = P * D * 2;
 constexpr int WARPS = 8, STAGES = 2;                            // BENCHMARKS.md, run AJ
 constexpr int RING_BYTES = WARPS * STAGES * 2 * PAGE_BYTES;
+constexpr int MAX_PARTS = RING_BYTES / (4 * MAX_GROUP);   // a list's parts' weights (merge_parts)
+// What a list costs a block beside its pages, in pages: staging its entries, its queries' and
+// first pages' loads one after the other, and the warps' merge (~2 us where a block streams a
+// page in ~0.3 us: BENCHMARKS.md, kernel run AM).
+constexpr int LIST_UNITS = 8;
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -227,19 +231,34 @@ __device__ __forceinline__ void merge_warps(Acc& a, uint8_t* smem, int group, in
 }
 
 // List `list`'s n partial results at parts first .. first + n - 1 (written by other blocks:
-// read past L1) rescaled to their common max and summed into its output row.
+// read past L1) rescaled to their common max and summed into its output row. Each head's
+// part weights are worked out once, a warp a head, into shared memory (`s_w`, the ring, free
+// once the warps are merged), so that summing a column is independent loads the compiler
+// keeps many of in flight: read one after another, the ~16 parts of a stream-K list took
+// longer than its attention (BENCHMARKS.md, kernel run AL).
 __device__ __forceinline__ void merge_parts(const float* part_o, const float* part_lse,
                                             int64_t first, int n, int group,
-                                            __nv_bfloat16* out_row) {
+                                            __nv_bfloat16* out_row, float* s_w) {
+  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
+  for (int hh = warp; hh < group; hh += WARPS) {   // s_w[s * group + hh]: part s's weight
+    float mm = -INFINITY;
+    for (int s = lane; s < n; s += 32) mm = fmaxf(mm, __ldcg(&part_lse[(first + s) * group + hh]));
+#pragma unroll
+    for (int d = 16; d > 0; d >>= 1) mm = fmaxf(mm, __shfl_xor_sync(0xffffffffu, mm, d));
+    for (int s = lane; s < n; s += 32) {
+      const float lse = __ldcg(&part_lse[(first + s) * group + hh]);
+      s_w[s * group + hh] = lse == -INFINITY ? 0.f : exp2f(lse - mm);
+    }
+  }
+  __syncthreads();
+  const float* column = part_o + first * group * D;
   for (int idx = threadIdx.x; idx < group * D; idx += WARPS * 32) {
     const int hh = idx / D;
-    float mm = -INFINITY;
-    for (int s = 0; s < n; ++s) mm = fmaxf(mm, __ldcg(&part_lse[(first + s) * group + hh]));
     float acc = 0.f, den = 0.f;
+#pragma unroll 8
     for (int s = 0; s < n; ++s) {
-      const float lse = __ldcg(&part_lse[(first + s) * group + hh]);
-      const float f = lse == -INFINITY ? 0.f : exp2f(lse - mm);
-      acc += f * __ldcg(&part_o[(first + s) * group * D + idx]);
+      const float f = s_w[s * group + hh];
+      acc += f * __ldcg(&column[static_cast<int64_t>(s) * group * D + idx]);
       den += f;
     }
     out_row[idx] = __float2bfloat16(den > 0.f ? acc / den : 0.f);
@@ -251,14 +270,14 @@ __device__ __forceinline__ void merge_parts(const float* part_o, const float* pa
 // resets the counter for the next call.
 __device__ __forceinline__ void arrive(int* counter, int n, const float* part_o,
                                        const float* part_lse, int64_t first, int group,
-                                       __nv_bfloat16* out_row, int* s_last) {
+                                       __nv_bfloat16* out_row, int* s_last, float* s_w) {
   __threadfence();   // this block's partial visible before its arrival is counted
   __syncthreads();
   if (threadIdx.x == 0) *s_last = atomicAdd(counter, 1) == n - 1;
   __syncthreads();
   if (*s_last) {
     __threadfence();
-    merge_parts(part_o, part_lse, first, n, group, out_row);
+    merge_parts(part_o, part_lse, first, n, group, out_row, s_w);
     if (threadIdx.x == 0) *counter = 0;
   }
   __syncthreads();   // s_last is read by every thread before the next list sets it
@@ -274,20 +293,19 @@ __device__ __forceinline__ void stage(const int* lists, const int* slots, int li
   }
 }
 
-// The lists' units laid end to end (a unit is a page; a list without pages has one, whose
-// block writes its zeros): s_ends[i] = the units of lists 0 .. i; s_span = the fewest and
-// most units of a list.
+// The lists' units laid end to end: a list's units are LIST_UNITS for what it costs beside its
+// pages, then its pages (at least one: a list without pages has one, whose block writes its
+// zeros). s_ends[i] = the units of lists 0 .. i; *s_most = the most units of a list.
 __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n, int* s_ends,
-                                          int* s_warp, int* s_span) {
+                                          int* s_warp, int* s_most) {
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per = (n + WARPS * 32 - 1) / (WARPS * 32);
   const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
-  if (threadIdx.x == 0) s_span[0] = INT_MAX, s_span[1] = 0;
-  int sum = 0, fewest = INT_MAX, most = 0;
+  if (threadIdx.x == 0) *s_most = 0;
+  int sum = 0, most = 0;
   for (int i = lo; i < hi; ++i) {
-    const int units = max(min(counts[i], list_len), 1);
+    const int units = LIST_UNITS + max(min(counts[i], list_len), 1);
     sum += units;
-    fewest = min(fewest, units);
     most = max(most, units);
   }
   int x = sum;   // the inclusive scan of the threads' sums, warp by warp
@@ -298,29 +316,29 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
   }
   if (lane == 31) s_warp[warp] = x;
   __syncthreads();
-  if (lo < hi) atomicMin(&s_span[0], fewest), atomicMax(&s_span[1], most);
+  if (lo < hi) atomicMax(s_most, most);
   int run = x - sum;
   for (int w = 0; w < warp; ++w) run += s_warp[w];
   for (int i = lo; i < hi; ++i) {
-    run += max(min(counts[i], list_len), 1);
+    run += LIST_UNITS + max(min(counts[i], list_len), 1);
     s_ends[i] = run;
   }
   __syncthreads();
 }
 
-// How the blocks share the lists. Even: list i's `splits` parts of ceil(units / splits)
+// How the blocks share the lists. Even: list i's `splits` parts of ceil(pages / splits)
 // entries are blocks of work lists * splits in all, taken by the gridDim.x blocks in turn,
 // each part merged with its list's others at parts i * splits ... Stream-K: block p takes
-// units [p * chunk, (p + 1) * chunk) of the lists laid end to end, chunk = ceil(total /
-// blocks), across lists' ends where they fall, so every block has the same work however
-// ragged the lists are; a list inside one block is written out directly, otherwise each of
-// its blocks writes a part at p + i (parts run in the order of their units and from one to
-// the next p or i or both grow, so each has its own place) and the last to arrive merges
-// parts p_first + i .. p_last + i. `balance` 1: stream-K, 0: even, -1: stream-K where the
-// lists are all one length and their even parts leave the GPU idle (more than one wave and
-// a block's work over 1.1x stream-K's, e.g. 19 rows' 152 lists on 132 SMs), else even
-// (BENCHMARKS.md, kernel run AL: with one long row among finished ones, stream-K's merges
-// of ~16 parts a list, one load at a time, made it slower than even splits).
+// units [p * chunk, (p + 1) * chunk) of the lists laid end to end (list_ends), chunk =
+// ceil(total / blocks), across lists' ends where they fall, so every block has about the
+// same work however ragged the lists are. A list's part is the block's share of its pages
+// (the LIST_UNITS before them only weigh its cost); a list inside one block is written out
+// directly, otherwise each of its blocks writes a part at p + i (parts run in the order of
+// their units and from one to the next p or i or both grow, so each has its own place) and
+// the last to arrive merges parts p_first + i .. p_last + i. `balance` 1: stream-K, 0: even,
+// -1: whichever the units say is faster (even, unless stream-K takes under 1/1.1 of its
+// time): stream-K where even parts leave SMs idle, e.g. 19 rows' 152 lists on 132 SMs, and
+// where the lists are ragged, e.g. one long row among rows of one page (kernel run AM).
 __global__ void __launch_bounds__(WARPS * 32)
     attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
                   const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
@@ -330,7 +348,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                   int64_t n_pages, int list_len, int n_lists, int splits, int balance, int cap,
                   float scale_log2) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  __shared__ int s_last, s_warp[WARPS], s_span[2];
+  __shared__ int s_last, s_warp[WARPS], s_most;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES);
   int* s_slot = s_phys + cap;
@@ -338,7 +356,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
                         warp * STAGES * 2 * PAGE_BYTES;
   const int blocks = gridDim.x;
-  list_ends(counts, list_len, n_lists, s_ends, s_warp, s_span);
+  list_ends(counts, list_len, n_lists, s_ends, s_warp, &s_most);
   const int total = s_ends[n_lists - 1];
 
   // Entries [from, to) of list i into `a`, `cap` staged at a time.
@@ -368,15 +386,25 @@ __global__ void __launch_bounds__(WARPS * 32)
       part_o[part * group * D + idx] = val;
       if (idx % D == 0) part_lse[part * group + idx / D] = lse;
     });
-    arrive(&arrivals[i], n, part_o, part_lse, first, group, out_row, &s_last);
+    arrive(&arrivals[i], n, part_o, part_lse, first, group, out_row, &s_last,
+           reinterpret_cast<float*>(smem));
   };
 
-  const int units = s_span[1], per = (units + splits - 1) / splits;
-  const int even_blocks = n_lists * splits;
-  const bool even = balance == 0 ||
-      (balance < 0 && (s_span[0] != units || even_blocks <= blocks ||
-                       10LL * ((even_blocks + blocks - 1) / blocks) * per <=
-                           11LL * ((total + blocks - 1) / blocks)));
+  // Each way's time in units (a model fitted to kernel run AM): a round of blocks takes the
+  // longer of its units over the blocks that reach the memory's bandwidth (about half the
+  // SMs: BENCHMARKS.md, run AJ) and its longest part; stream-K is one round whose longest
+  // part is a chunk. Merging n parts, a list's last block reads them: LIST_UNITS * n / 4.
+  const int even_blocks = n_lists * splits, chunk = (total + blocks - 1) / blocks;
+  const float reach = 0.5f * blocks;
+  auto merge = [](int n) { return n > 1 ? 0.25f * LIST_UNITS * n : 0.f; };
+  const float even_total = total + static_cast<float>(n_lists) * (splits - 1) * LIST_UNITS;
+  const float longest = LIST_UNITS + (s_most - LIST_UNITS + splits - 1) / splits + merge(splits);
+  auto round_time = [&](int n) { return fmaxf(even_total * n / even_blocks / reach, longest); };
+  const float even_time = (even_blocks / blocks) * round_time(blocks) +
+                          (even_blocks % blocks ? round_time(even_blocks % blocks) : 0.f);
+  const float streamk_time =
+      fmaxf(total / reach, chunk + LIST_UNITS + merge((s_most + chunk - 1) / chunk));
+  const bool even = balance == 0 || (balance < 0 && 10 * even_time <= 11 * streamk_time);
   Acc a;
   if (even) {
     for (int v = blockIdx.x; v < even_blocks; v += blocks) {
@@ -388,7 +416,6 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
     return;
   }
-  const int chunk = (total + blocks - 1) / blocks;
   const int lo = blockIdx.x * chunk, hi = min(lo + chunk, total);
   int i = 0;
   for (int top = n_lists; i < top;) {    // the first list ending after lo
@@ -396,7 +423,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (s_ends[mid] > lo) top = mid; else i = mid + 1;
   }
   for (; i < n_lists && lo < hi; ++i) {
-    const int end = s_ends[i], first = i > 0 ? s_ends[i - 1] : 0;
+    const int end = s_ends[i], first = (i > 0 ? s_ends[i - 1] : 0) + LIST_UNITS;  // its pages
     if (first >= hi) break;
     attend(i, max(lo, first) - first, min(min(hi, end) - first, min(counts[i], list_len)), a);
     const int p_first = first / chunk, p_last = (end - 1) / chunk;
@@ -452,7 +479,8 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   if (q.element_type() != ffi::BF16 || k.element_type() != ffi::BF16 ||
       v.element_type() != ffi::BF16 || qd.size() != 3 || kd.size() != 4 || ld.size() != 3 ||
       qd[2] != D || kd[2] != P || kd[3] != D || kd[0] != ld[1] || qd[0] != ld[0] ||
-      qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1 || programs < 1 ||
+      qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1 || splits > MAX_PARTS ||
+      programs < 1 || programs > MAX_PARTS ||
       balance < -1 || balance > 1) {
     return ffi::Error::InvalidArgument("sparrow_sparse_attend: unsupported arguments");
   }

@@ -39,8 +39,10 @@ from pallas_kernels.paged_attend_gpu import sm_count
 SOURCE = Path(__file__).with_suffix(".cu")
 TARGET = "sparrow_sparse_attend"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
-# The kernel's warps a block.
+# The kernel's warps a block, and the most parts a list may be merged from (the blocks, or
+# the even splits: their weights fill the shared memory of the kernel's page ring).
 WARPS = 8
+MAX_PARTS = 4096
 
 
 def find_nvcc() -> str | None:
@@ -157,9 +159,9 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     lists, width = b * hkv, phys.shape[-1]
     programs = sm_count() if programs is None else programs
     splits = default_cuda_splits(lists, width, sm_count()) if splits is None else splits
-    if programs < 1 or splits < 1:
-        raise ValueError(f"attend_page_lists_cuda: programs and splits must be >= 1, got "
-                         f"{programs} and {splits}")
+    if not (1 <= programs <= MAX_PARTS and 1 <= splits <= MAX_PARTS):
+        raise ValueError(f"attend_page_lists_cuda: programs and splits must be in "
+                         f"[1, {MAX_PARTS}], got {programs} and {splits}")
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
     parts = max(programs + lists, lists * splits)

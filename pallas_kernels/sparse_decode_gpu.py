@@ -51,6 +51,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
                                              pow2, sm_count)
+from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda, default_cuda_splits
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
@@ -187,8 +188,12 @@ class GpuDecodeTuning:
         check_launch_settings(self)
         if self.attend not in ATTEND_IMPLS:
             raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
-        if self.attend_programs is not None and self.attend_programs < 1:
-            raise ValueError(f"attend_programs must be >= 1, got {self.attend_programs}")
+        if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
+            raise ValueError(f"attend_programs must be in [1, {CUDA_MAX_PARTS}], got "
+                             f"{self.attend_programs}")
+        if self.attend != "pallas" and (self.splits or 0) > CUDA_MAX_PARTS:
+            raise ValueError(f"splits must be <= {CUDA_MAX_PARTS} for the CUDA attention, got "
+                             f"{self.splits}")
 
     def resolve(self, *, page_size: int, batch: int, kv_heads: int, max_pages: int,
                 summaries: int = 1) -> GpuDecodeTuning:

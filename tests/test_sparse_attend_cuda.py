@@ -77,7 +77,7 @@ LAYOUTS = {   # how the blocks share the lists
     "even3_on5": dict(balanced=False, splits=3, programs=5),   # blocks take several parts
     "streamk1": dict(balanced=True, programs=1), "streamk5": dict(balanced=True, programs=5),
     "streamk64": dict(balanced=True, programs=64), "auto": {},
-    # lists of one length whose 8 even parts take two rounds of 5 blocks: stream-K
+    # the device's choice where the even parts take two rounds of the blocks
     "auto_on5": dict(programs=5, splits=1)}
 
 
@@ -103,7 +103,8 @@ def test_lists_match_float64(group, layout):
 @needs_cuda
 @pytest.mark.parametrize("layout", ["even1", "even3_on5", "streamk5", "auto", "auto_on5"])
 def test_lists_of_one_length(layout):
-    """Every list as long: "auto" is even splits on the default blocks, stream-K on 5."""
+    """Every list as long (the device chooses stream-K on the default blocks, even splits on
+    5)."""
     rng = np.random.default_rng(5)
     args = lists_case(rng, b=4, hkv=2, group=4, counts=[[24, 24]] * 4)
     got = jax.jit(functools.partial(attend_page_lists_cuda, **LAYOUTS[layout]))(*args)
@@ -119,6 +120,22 @@ def test_long_lists_are_staged_in_pieces(balanced):
     args = lists_case(rng, b=1, hkv=1, group=4, counts=[[13990]], pool=14100, width=14000)
     got = jax.jit(functools.partial(attend_page_lists_cuda, balanced=balanced, splits=1,
                                     programs=1))(*args)
+    assert_kernel_close(as64(got), attention_np(*args), low_precision=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("how", [dict(balanced=True, programs=300),
+                                 dict(balanced=False, splits=75)])
+@pytest.mark.parametrize("group", [5, 8])
+def test_a_list_merged_from_many_parts(how, group):
+    """One long row among rows of one page (a batch's last row decoding alone): its lists
+    merged from ~200 stream-K parts or 75 even ones, more than a warp's 32 lanes weigh at
+    once and not a multiple of the merge's 8 loads in flight."""
+    rng = np.random.default_rng(group)
+    counts = [[600, 599]] + [[1, 1]] * 3
+    args = lists_case(rng, b=4, hkv=2, group=group, counts=counts, pool=2600, width=600,
+                      short=3)
+    got = jax.jit(functools.partial(attend_page_lists_cuda, **how))(*args)
     assert_kernel_close(as64(got), attention_np(*args), low_precision=True)
 
 
@@ -188,12 +205,18 @@ def test_choice_between_cuda_and_pallas():
         resolve_attend("cuda", q, k, P, interpret=True)
     with pytest.raises(ValueError, match="attend must be one of"):
         GpuDecodeTuning(attend="triton")
-    with pytest.raises(ValueError, match="attend_programs must be >= 1, got 0"):
+    with pytest.raises(ValueError, match=r"attend_programs must be in \[1, 4096\], got 0"):
         GpuDecodeTuning(attend_programs=0)
+    with pytest.raises(ValueError, match="splits must be <= 4096 for the CUDA attention"):
+        GpuDecodeTuning(attend="cuda", splits=4097)
     with pytest.raises(ValueError, match=r"^attend_page_lists_cuda: programs and splits must"):
         attend_page_lists_cuda(q, k, k, *(jnp.zeros((2, 2, 4), jnp.int32),) * 2,
                                jnp.ones((2, 2, 1), jnp.int32), jnp.ones((2,), jnp.int32),
                                programs=0)
+    with pytest.raises(ValueError, match=r"must be in \[1, 4096\], got 132 and 4097"):
+        attend_page_lists_cuda(q, k, k, *(jnp.zeros((2, 2, 4), jnp.int32),) * 2,
+                               jnp.ones((2, 2, 1), jnp.int32), jnp.ones((2,), jnp.int32),
+                               splits=4097)
     # Settings for the CUDA attention: splits set means even splits, as for the Pallas one.
     resolved = GpuDecodeTuning(attend="cuda", splits=2).resolve(
         page_size=P, batch=4, kv_heads=8, max_pages=128)
