@@ -143,9 +143,10 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     allows). How the blocks share the lists (``balanced``): True, stream-K, each block the
     same share of all the lists' pages however ragged they are; False, even splits, each
     list in ``splits`` parts (None: :func:`default_cuda_splits`) taken by the blocks in
-    turn; None, decided on the device for the lists at hand: stream-K where the lists are
-    all one length and their even parts leave the GPU idle (19 rows' 152 lists, two waves
-    on 132 SMs, the second 20 blocks), else even splits. ``arrivals``: zeros
+    turn; None, decided on the device for the lists at hand by a model of each way's time
+    (the kernel's attend_kernel): stream-K where even parts leave the GPU idle (19 rows' 152
+    lists, two waves on 132 SMs, the second 20 blocks) or the lists are ragged (one long row
+    among rows of one page), else even splits. ``arrivals``: zeros
     ``[B, Hkv, 1]`` int32 the call may use as its merge counters (the selection's, which
     saves a launch); None: made here. Arguments it does not take raise one line
     (:func:`unsupported_args`); where it cannot run (:func:`unavailable`) the call fails
