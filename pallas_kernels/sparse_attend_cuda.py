@@ -21,19 +21,14 @@ everything else; ``GpuDecodeTuning(attend="auto")`` then falls back to the Palla
 
 from __future__ import annotations
 
-import ctypes
 import functools
-import hashlib
-import os
-import shutil
-import subprocess
-import tempfile
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from pallas_kernels.cuda_build import hopper_missing, register
 from pallas_kernels.paged_attend_gpu import sm_count
 
 SOURCE = Path(__file__).with_suffix(".cu")
@@ -45,71 +40,15 @@ WARPS = 8
 MAX_PARTS = 4096
 
 
-def find_nvcc() -> str | None:
-    """``$NVCC``, else ``nvcc`` on the PATH, else ``$CUDA_HOME/bin/nvcc``; None if none."""
-    found = os.environ.get("NVCC") or shutil.which("nvcc")
-    if found:
-        return found
-    cuda = os.path.join(os.environ.get("CUDA_HOME", "/usr/local/cuda"), "bin", "nvcc")
-    return cuda if os.path.exists(cuda) else None
-
-
-def _cache_dir() -> Path:
-    return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow_jax"))
-
-
-def build_library(nvcc: str) -> Path:
-    """The kernel's shared library, built on first use (about 10 s) for sm_90, then cached
-    under a key of the source, the compiler and its flags; nvcc's output (ptxas' registers
-    and spills among it) beside it as ``.log``."""
-    flags = ["-O3", "-std=c++17", "-shared", "-Xcompiler", "-fPIC", "-Xptxas", "-v",
-             "-diag-suppress", "940,2473", "-gencode", "arch=compute_90,code=sm_90",
-             f"-I{jax.ffi.include_dir()}"]
-    version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
-    key = hashlib.sha256(SOURCE.read_bytes() + version.encode()
-                         + " ".join(flags).encode()).hexdigest()[:16]
-    lib = _cache_dir() / f"sparse_attend_cuda-{key}.so"
-    if lib.exists():
-        return lib
-    lib.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=lib.parent) as tmp:
-        built = Path(tmp) / lib.name
-        cmd = [nvcc, *flags, str(SOURCE), "-o", str(built)]
-        done = subprocess.run(cmd, capture_output=True, text=True)
-        log = lib.with_suffix(".log")
-        log.write_text(" ".join(cmd) + "\n" + done.stdout + done.stderr)
-        if done.returncode != 0:
-            raise RuntimeError(f"building {SOURCE.name} failed (nvcc exit {done.returncode}); "
-                               f"its output is in {log}")
-        os.replace(built, lib)      # atomic: another process may be building the same
-    return lib
-
-
 @functools.cache
 def _registered() -> str | None:
-    """Builds and registers the FFI target once; None, or why it cannot be used."""
-    nvcc = find_nvcc()
-    if nvcc is None:
-        return "no nvcc found (set NVCC or CUDA_HOME) to build the CUDA attention"
-    try:
-        lib = ctypes.CDLL(str(build_library(nvcc)))
-    except (OSError, RuntimeError) as e:
-        return str(e).splitlines()[0]
-    jax.ffi.register_ffi_target(TARGET, jax.ffi.pycapsule(lib.SparrowSparseAttend),
-                                platform="CUDA")
-    return None
+    return register(SOURCE, "SparrowSparseAttend", TARGET, "the CUDA attention")
 
 
 def unavailable() -> str | None:
     """None when the CUDA attention can run here, else why not (one line): an NVIDIA GPU of
-    compute capability 9.0 (measured there only; on sm_80 the build spills), and the kernel's
-    library built (on first use)."""
-    dev = jax.devices()[0]
-    if dev.platform != "gpu" or "NVIDIA" not in dev.device_kind.upper():
-        return f"needs an NVIDIA GPU, have {dev.device_kind}"
-    if not str(getattr(dev, "compute_capability", "0")).startswith("9."):
-        return f"needs compute capability 9.x (Hopper), have {dev.compute_capability}"
-    return _registered()
+    compute capability 9.x, and the kernel's library built (on first use)."""
+    return hopper_missing() or _registered()
 
 
 def unsupported_args(q, k_pages, page_size: int) -> str | None:

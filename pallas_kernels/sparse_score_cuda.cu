@@ -1,0 +1,152 @@
+// The sparse decode step's page scoring from centroids (docs/design.md, section 3) as a CUDA C
+// kernel behind an XLA FFI call; built and registered by pallas_kernels/sparse_score_cuda.py.
+//
+// Why CUDA C: the scoring reads one 256-byte centroid a page, scattered over the pool, and is
+// bound by how many of those reads are in flight; the Pallas kernel, one tile load of its 64
+// pages a program after the query's and the table's loads, reads them at 63-68% of the read
+// ceiling (BENCHMARKS.md, kernel runs AK and AM). Here every 16 lanes score one page (16 bytes
+// each), and each thread issues the loads of UNROLL pages before it uses any; at 47 registers
+// a thread, 5 blocks an SM keep ~80 KB of reads in flight.
+//
+// Shapes: q [B, Hkv * G, 128] bf16, centroids [Hkv, N, 128] bf16, table [B, M] int32 (the
+// physical page of each slot), lengths [B] int32 -> keys [B, Hkv, M] int32. Slot j of row b
+// is eligible when 1 <= j < n - 2 (n = ceil(length / P): page 0 and the last two are always
+// kept); its key is the order key of sum_d centroid[d] * qbar[d], qbar the mean of the KV
+// head's G query heads, float32 products and sums; INT_MIN where not eligible. The key is
+// the float's bits with a negative one's magnitude bits flipped, -0.0 as 0.0, so that int32
+// order is the scores' order (sparrow_jax.attention.selection.order_key).
+// Grid (ceil(M / SLOTS), Hkv, B): worker w (16 lanes) of a block takes slots w + WORKERS * i
+// of its SLOTS; lane l of a worker holds dimensions 8 l .. 8 l + 7.
+#include <cuda_bf16.h>
+#include <cuda_runtime.h>
+
+#include <climits>
+#include <cstdint>
+#include <string>
+
+#include "xla/ffi/api/ffi.h"
+
+namespace ffi = xla::ffi;
+
+namespace {
+
+constexpr int D = 128, LANES = 16, DIMS = D / LANES, THREADS = 256;
+constexpr int WORKERS = THREADS / LANES, UNROLL = 4, SLOTS = 4 * WORKERS * UNROLL;
+
+__device__ __forceinline__ int order_key(float s) {
+  const int bits = __float_as_int(s == 0.f ? 0.f : s);
+  return bits < 0 ? bits ^ 0x7FFFFFFF : bits;
+}
+
+// 8 bf16 (one 16-byte word) as floats, added into x scaled by `scale`.
+__device__ __forceinline__ void add_scaled(const uint4& w, float scale, float* x) {
+  const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&w);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pair[i]);
+    x[2 * i] += scale * f.x;
+    x[2 * i + 1] += scale * f.y;
+  }
+}
+
+__device__ __forceinline__ float dot(const uint4& w, const float* x) {
+  const __nv_bfloat162* pair = reinterpret_cast<const __nv_bfloat162*>(&w);
+  float s = 0.f;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pair[i]);
+    s += f.x * x[2 * i];
+    s += f.y * x[2 * i + 1];
+  }
+  return s;
+}
+
+__device__ __forceinline__ uint4 load16(const __nv_bfloat16* p) {
+  return __ldg(reinterpret_cast<const uint4*>(p));
+}
+
+__global__ void __launch_bounds__(THREADS)
+    score_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ centroids,
+                 const int* __restrict__ table, const int* __restrict__ lengths,
+                 int* __restrict__ keys, int hkv, int group, int64_t n_pages, int m,
+                 int page_size) {
+  const int b = blockIdx.z, h = blockIdx.y;
+  const int lane = threadIdx.x % LANES, worker = threadIdx.x / LANES;
+  const int n = (lengths[b] + page_size - 1) / page_size;
+  const int first = blockIdx.x * SLOTS, last = min(first + SLOTS, m);
+  int* key_row = keys + (static_cast<int64_t>(b) * hkv + h) * m;
+  // A block wholly past the row's eligible pages only marks its slots: a short row in a wide
+  // table (the longest row sets the width) costs little more than in a table of its own.
+  if (first >= n - 2) {
+    for (int j = first + threadIdx.x; j < last; j += THREADS) key_row[j] = INT_MIN;
+    return;
+  }
+  float qbar[DIMS] = {};
+  const __nv_bfloat16* q_head = q + (static_cast<int64_t>(b) * hkv + h) * group * D + DIMS * lane;
+  for (int r = 0; r < group; ++r) {
+    add_scaled(load16(q_head + r * D), 1.f / group, qbar);
+  }
+  const int* table_row = table + static_cast<int64_t>(b) * m;
+  const __nv_bfloat16* pages = centroids + h * n_pages * D + DIMS * lane;
+  // `start` is the same for every thread, so all lanes reach the shuffles together.
+  for (int start = first; start < last; start += WORKERS * UNROLL) {
+    int slot[UNROLL], phys[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      slot[u] = start + worker + u * WORKERS;
+      const bool eligible = slot[u] < last && slot[u] >= 1 && slot[u] < n - 2;
+      phys[u] = eligible ? table_row[slot[u]] : -1;
+    }
+    uint4 w[UNROLL];
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      if (phys[u] >= 0) w[u] = load16(pages + static_cast<int64_t>(phys[u]) * D);
+    }
+#pragma unroll
+    for (int u = 0; u < UNROLL; ++u) {
+      float s = phys[u] >= 0 ? dot(w[u], qbar) : 0.f;
+#pragma unroll
+      for (int d = 1; d < LANES; d <<= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+      if (lane == 0 && slot[u] < last) key_row[slot[u]] = phys[u] >= 0 ? order_key(s) : INT_MIN;
+    }
+  }
+}
+
+ffi::Error Score(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer centroids,
+                 ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                 ffi::Result<ffi::Buffer<ffi::S32>> keys, int64_t page_size) {
+  auto qd = q.dimensions(), cd = centroids.dimensions(), td = table.dimensions();
+  auto kd = keys->dimensions();
+  if (q.element_type() != ffi::BF16 || centroids.element_type() != ffi::BF16 ||
+      qd.size() != 3 || cd.size() != 3 || td.size() != 2 || kd.size() != 3 || qd[2] != D ||
+      cd[2] != D || qd[1] % cd[0] != 0 || td[0] != qd[0] || lengths.dimensions()[0] != qd[0] ||
+      kd[0] != qd[0] || kd[1] != cd[0] || kd[2] != td[1] || qd[0] > 65535 || cd[0] > 65535 ||
+      page_size < 1) {
+    return ffi::Error::InvalidArgument("sparrow_sparse_score: unsupported arguments");
+  }
+  const int hkv = static_cast<int>(cd[0]), m = static_cast<int>(td[1]);
+  if (qd[0] == 0 || m == 0) return ffi::Error::Success();
+  const dim3 grid((m + SLOTS - 1) / SLOTS, hkv, static_cast<unsigned>(qd[0]));
+  score_kernel<<<grid, THREADS, 0, stream>>>(
+      reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(centroids.untyped_data()), table.typed_data(),
+      lengths.typed_data(), keys->typed_data(), hkv, static_cast<int>(qd[1] / hkv), cd[1], m,
+      static_cast<int>(page_size));
+  const cudaError_t e = cudaGetLastError();
+  if (e == cudaSuccess) return ffi::Error::Success();
+  return ffi::Error::Internal(std::string("sparrow_sparse_score launch: ") +
+                              cudaGetErrorString(e));
+}
+
+}  // namespace
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseScore, Score,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("page_size"),
+                              {ffi::Traits::kCmdBufferCompatible});
