@@ -237,28 +237,31 @@ def test_default_splits_rule():
     assert default_cuda_splits(256, 8192, 132) == 1        # long lists: staged in pieces
 
 
-@pytest.mark.parametrize("splits", [1, 3])
-def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
-    """On any host: the step with ``attend="cuda"``, lowered for an H100, is the scoring and
-    selection kernels and the CUDA call, which takes the selection's lists and its zeroed
-    counters directly (no fill of its own, also with one split)."""
+def step_lowered_for_an_h100(tuning: GpuDecodeTuning) -> str:
+    """The sparse step with ``tuning`` on a small case, lowered for an H100 on any host (an
+    abstract device): its StableHLO text."""
     from jax._src import mesh as mesh_lib
 
-    from pallas_kernels import sparse_decode_gpu
-    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
     h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                    platform="gpu")
     q, k, v, cent, table, lengths = make_case(np.random.default_rng(0), lengths=[300, 200],
                                               hkv=2, r=4, d=D, dtype=jnp.bfloat16)
     budgets = jnp.asarray([8, 6], jnp.int32)
-
-    def step(*a):
-        return sparse_decode_pallas(*a, page_size=P,
-                                    tuning=GpuDecodeTuning(attend="cuda", splits=splits))
+    step = functools.partial(sparse_decode_pallas, page_size=P, centroids=cent, tuning=tuning)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
     with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(step).trace(q, k, v, table, lengths, budgets).lower(
+        return jax.jit(step).trace(q, k, v, table, lengths, budgets).lower(
             lowering_platforms=("cuda",)).as_text()
+
+
+@pytest.mark.parametrize("splits", [1, 3])
+def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
+    """On any host: the step with ``attend="cuda"``, lowered for an H100, is the scoring and
+    selection kernels and the CUDA call, which takes the selection's lists and its zeroed
+    counters directly (no fill of its own, also with one split)."""
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", splits=splits))
     kernels = re.findall(r'name = "([a-z_]+)", num_stages', text)
     assert kernels == ["sparse_decode_score", "sparse_decode_select"]
     call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(([^)]*)\).*splits = (\d+)",

@@ -21,6 +21,7 @@ from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, resolve_score, sc
                                               sparse_decode_pallas)
 from pallas_kernels.sparse_score_cuda import score_keys_cuda, unavailable, unsupported_args
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close
+from test_sparse_attend_cuda import step_lowered_for_an_h100
 from test_sparse_kernel import as64, make_case, reference
 
 P, D = 16, 128
@@ -141,23 +142,9 @@ def test_what_it_takes_and_the_choice():
 def test_step_lowers_to_the_cuda_scoring_for_an_h100(monkeypatch):
     """On any host: the step with ``score="cuda"`` lowered for an H100 scores by the CUDA
     call, whose keys the Pallas selection takes; no Pallas scoring kernel is left."""
-    from jax._src import mesh as mesh_lib
-
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "score_cuda_unavailable", lambda: None)
-    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
-                                   platform="gpu")
-    q, k, v, cent, table, lengths = make_case(np.random.default_rng(0), lengths=[300, 200],
-                                              hkv=2, r=4, d=D, dtype=jnp.bfloat16)
-    budgets = jnp.asarray([8, 6], jnp.int32)
-
-    def step(*a):
-        return sparse_decode_pallas(*a, page_size=P, centroids=cent,
-                                    tuning=GpuDecodeTuning(score="cuda", attend="pallas"))
-    mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
-    with jax.sharding.use_abstract_mesh(mesh):
-        text = jax.jit(step).trace(q, k, v, table, lengths, budgets).lower(
-            lowering_platforms=("cuda",)).as_text()
+    text = step_lowered_for_an_h100(GpuDecodeTuning(score="cuda", attend="pallas"))
     kernels = re.findall(r'name = "([a-z_]+)", num_stages', text)
     assert "sparse_decode_score" not in kernels and "sparse_decode_select" in kernels
     call = re.search(r"(%\d+) = stablehlo.custom_call @sparrow_sparse_score\(.*page_size = 16",
