@@ -5,8 +5,8 @@
 // bound by how many of those reads are in flight; the Pallas kernel, one tile load of its 64
 // pages a program after the query's and the table's loads, reads them at 63-68% of the read
 // ceiling (BENCHMARKS.md, kernel runs AK and AM). Here every 16 lanes score one page (16 bytes
-// each), and each thread issues the loads of UNROLL pages before it uses any; at 47 registers
-// a thread, 5 blocks an SM keep ~80 KB of reads in flight.
+// each), each thread issuing the loads of UNROLL pages before it uses any, one round a block;
+// at 57 registers a thread, 4 blocks an SM keep 128 KB of reads in flight.
 //
 // Shapes: q [B, Hkv * G, 128] bf16, centroids [Hkv, N, 128] bf16, table [B, M] int32 (the
 // physical page of each slot), lengths [B] int32 -> keys [B, Hkv, M] int32. Slot j of row b
@@ -31,7 +31,7 @@ namespace ffi = xla::ffi;
 namespace {
 
 constexpr int D = 128, LANES = 16, DIMS = D / LANES, THREADS = 256;
-constexpr int WORKERS = THREADS / LANES, UNROLL = 4, SLOTS = 4 * WORKERS * UNROLL;
+constexpr int WORKERS = THREADS / LANES, UNROLL = 8, SLOTS = WORKERS * UNROLL;
 
 __device__ __forceinline__ int order_key(float s) {
   const int bits = __float_as_int(s == 0.f ? 0.f : s);
@@ -72,43 +72,32 @@ __global__ void __launch_bounds__(THREADS)
                  int page_size) {
   const int b = blockIdx.z, h = blockIdx.y;
   const int lane = threadIdx.x % LANES, worker = threadIdx.x / LANES;
-  const int n = (lengths[b] + page_size - 1) / page_size;
-  const int first = blockIdx.x * SLOTS, last = min(first + SLOTS, m);
   int* key_row = keys + (static_cast<int64_t>(b) * hkv + h) * m;
-  // A block wholly past the row's eligible pages only marks its slots: a short row in a wide
-  // table (the longest row sets the width) costs little more than in a table of its own.
-  if (first >= n - 2) {
-    for (int j = first + threadIdx.x; j < last; j += THREADS) key_row[j] = INT_MIN;
-    return;
+  // The loads that wait on nothing first, the table's before the queries' (whose sum waits on
+  // them), so that the centroids' loads are a block's second wait, not its fourth.
+  int slot[UNROLL], phys[UNROLL];
+#pragma unroll
+  for (int u = 0; u < UNROLL; ++u) {
+    slot[u] = blockIdx.x * SLOTS + worker + u * WORKERS;
+    phys[u] = slot[u] < m ? table[static_cast<int64_t>(b) * m + slot[u]] : 0;
   }
+  const int n = (lengths[b] + page_size - 1) / page_size;
   float qbar[DIMS] = {};
   const __nv_bfloat16* q_head = q + (static_cast<int64_t>(b) * hkv + h) * group * D + DIMS * lane;
-  for (int r = 0; r < group; ++r) {
-    add_scaled(load16(q_head + r * D), 1.f / group, qbar);
-  }
-  const int* table_row = table + static_cast<int64_t>(b) * m;
+  for (int r = 0; r < group; ++r) add_scaled(load16(q_head + r * D), 1.f / group, qbar);
   const __nv_bfloat16* pages = centroids + h * n_pages * D + DIMS * lane;
-  // `start` is the same for every thread, so all lanes reach the shuffles together.
-  for (int start = first; start < last; start += WORKERS * UNROLL) {
-    int slot[UNROLL], phys[UNROLL];
+  uint4 w[UNROLL];
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      slot[u] = start + worker + u * WORKERS;
-      const bool eligible = slot[u] < last && slot[u] >= 1 && slot[u] < n - 2;
-      phys[u] = eligible ? table_row[slot[u]] : -1;
-    }
-    uint4 w[UNROLL];
+  for (int u = 0; u < UNROLL; ++u) {
+    if (slot[u] >= n - 2 || slot[u] < 1) phys[u] = -1;   // not eligible: not read
+    if (phys[u] >= 0) w[u] = load16(pages + static_cast<int64_t>(phys[u]) * D);
+  }
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      if (phys[u] >= 0) w[u] = load16(pages + static_cast<int64_t>(phys[u]) * D);
-    }
+  for (int u = 0; u < UNROLL; ++u) {   // every lane of the warp reaches the shuffles
+    float s = phys[u] >= 0 ? dot(w[u], qbar) : 0.f;
 #pragma unroll
-    for (int u = 0; u < UNROLL; ++u) {
-      float s = phys[u] >= 0 ? dot(w[u], qbar) : 0.f;
-#pragma unroll
-      for (int d = 1; d < LANES; d <<= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
-      if (lane == 0 && slot[u] < last) key_row[slot[u]] = phys[u] >= 0 ? order_key(s) : INT_MIN;
-    }
+    for (int d = 1; d < LANES; d <<= 1) s += __shfl_xor_sync(0xffffffffu, s, d);
+    if (lane == 0 && slot[u] < m) key_row[slot[u]] = phys[u] >= 0 ? order_key(s) : INT_MIN;
   }
 }
 
