@@ -93,7 +93,7 @@ def resolve_cuda(setting: str, choice: str, bad_args: str | None, unavailable,
         raise ValueError(f"GpuDecodeTuning({setting}='cuda'): {why}")
     if bad_args is None:
         # Python's default filter shows it once per run.
-        warnings.warn(f"sparse decode: the Pallas kernel instead of the faster CUDA one for "
+        warnings.warn(f"sparse decode: the Pallas kernel instead of the CUDA one for "
                       f"{setting}: {why}", stacklevel=3)
     return "pallas"
 

@@ -223,7 +223,7 @@ def test_choice_between_cuda_and_pallas():
                                                       max_pages=128)
     assert (resolved.balanced, resolved.splits) == (None, 8)
     if WHY is not None:       # this host: "auto" falls back, saying why
-        with pytest.warns(UserWarning, match="Pallas kernel instead of the faster CUDA one for attend"):
+        with pytest.warns(UserWarning, match="Pallas kernel instead of the CUDA one for attend"):
             assert resolve_attend("auto", q, k, P, interpret=False) == "pallas"
 
 
