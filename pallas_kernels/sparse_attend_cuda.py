@@ -93,6 +93,9 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     why = unsupported_args(q, k_pages, k_pages.shape[2])
     if why is not None:
         raise ValueError(f"attend_page_lists_cuda: {why}")
+    # Registers the handler on first use where the library builds; not a check, since a host
+    # without the GPU may still lower this call for one.
+    _registered()
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
     group = hq // hkv

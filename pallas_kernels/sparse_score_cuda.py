@@ -61,6 +61,9 @@ def score_keys_cuda(q, centroids, table, lengths, *, page_size: int):
     why = unsupported_args(q, (centroids,))
     if why is not None:
         raise ValueError(f"score_keys_cuda: {why}")
+    # Registers the handler on first use where the library builds; not a check, since a host
+    # without the GPU may still lower this call for one.
+    _registered()
     b, hq, _ = q.shape
     hkv = centroids.shape[0]
     if hq % hkv:
