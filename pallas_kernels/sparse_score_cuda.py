@@ -52,18 +52,23 @@ def unsupported_args(q, summaries) -> str | None:
     return None
 
 
-def score_keys_cuda(q, centroids, table, lengths, *, page_size: int):
+def score_keys_cuda(q, centroids, table, lengths, *, page_size: int, rounds: int | None = None):
     """q ``[B, Hq, D]``, centroids ``[Hkv, N, D]``, table ``[B, M]`` int32, lengths ``[B]`` ->
     keys ``[B, Hkv, M]`` int32: slot j of row b (n = ceil(length / page_size) pages) is
     eligible when 1 <= j < n - 2, its key the order key of ``centroid . qbar`` (qbar the mean
     of the KV head's query heads; float32), INT_MIN elsewhere. Arguments it does not take
-    raise one line; where it cannot run (:func:`unavailable`) the call fails when it runs."""
+    raise one line; where it cannot run (:func:`unavailable`) the call fails when it runs.
+    ``rounds``: slot chunks of 128 a block takes one after another, each chunk's table entries
+    read while the last chunk's centroids are on their way (None: the fewest that fit every
+    block in one wave on this GPU)."""
     why = unsupported_args(q, (centroids,))
     if why is not None:
         raise ValueError(f"score_keys_cuda: {why}")
     # Registers the handler on first use where the library builds; not a check, since a host
     # without the GPU may still lower this call for one.
     _registered()
+    if rounds is not None and rounds < 1:
+        raise ValueError(f"score_keys_cuda: rounds must be >= 1, got {rounds}")
     b, hq, _ = q.shape
     hkv = centroids.shape[0]
     if hq % hkv:
@@ -71,4 +76,4 @@ def score_keys_cuda(q, centroids, table, lengths, *, page_size: int):
                          f"heads")
     call = jax.ffi.ffi_call(TARGET, jax.ShapeDtypeStruct((b, hkv, table.shape[1]), jnp.int32))
     return call(q, centroids, table.astype(jnp.int32), lengths.astype(jnp.int32),
-                page_size=np.int64(page_size))
+                page_size=np.int64(page_size), rounds=np.int64(rounds or 0))

@@ -54,6 +54,8 @@ from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, pad_h
                                               sparse_decode_pallas)
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
+from pallas_kernels.sparse_score_cuda import score_keys_cuda
+from pallas_kernels.sparse_score_cuda import unavailable as score_cuda_unavailable
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
@@ -260,6 +262,16 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
             parts[f"part_attend_cuda{name}_lone"] = (None, run_cuda, (q, k_pages, v_pages, phys,
                                                                       slots, lone, lengths),
                                                      lone_bytes)
+    if score_cuda_unavailable() is None:
+        # The CUDA scoring with fixed rounds a block (1: each block one chain of table then
+        # centroid loads); the step's own choice is variant letter k1's part_score.
+        for rounds in (1, 2, 4):
+            def score_cuda(q_, c_, t_, l_, rounds=rounds):
+                keys = score_keys_cuda(q_, c_, t_, l_, page_size=P, rounds=rounds)
+                return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
+            parts[f"part_score_cuda_r{rounds}"] = (None, score_cuda,
+                                                   (q, centroids, table_pad, lengths),
+                                                   centroid_bytes)
     if minmax is not None:
         quest = given.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb, summaries=2)
 

@@ -56,15 +56,17 @@ def scores_np(q, cent, table, lengths):
 
 @needs_cuda
 @pytest.mark.parametrize("group", [1, 2, 4, 5, 8])
-def test_keys_match_float64(group):
+@pytest.mark.parametrize("rounds", [None, 1, 2, 5])
+def test_keys_match_float64(group, rounds):
     """Rows of 1 and 40 tokens (no eligible slot), 49 (one), 1000 and 9000 tokens in a table
-    of 600 slots (the last row's blocks past its pages only marked), the widest row longer
-    than one block's 256 slots."""
+    of 600 slots (the last row's chunks past its pages only marked), the widest row five
+    chunks of 128 slots: one a block, two (the last block one), all five in one block, and
+    as many as the GPU's one wave asks (here one)."""
     rng = np.random.default_rng(group)
     lengths = [1, 40, 49, 1000, 9000]
     q, _, _, cent, table, lengths = make_case(rng, lengths=lengths, hkv=2, r=group, d=D,
                                               dtype=jnp.bfloat16, spare_cols=37)
-    got = np.asarray(jax.jit(functools.partial(score_keys_cuda, page_size=P))(
+    got = np.asarray(jax.jit(functools.partial(score_keys_cuda, page_size=P, rounds=rounds))(
         q, cent, table, lengths))
     want, scale = scores_np(q, cent, table, lengths)
     assert got.shape == want.shape
@@ -134,6 +136,9 @@ def test_what_it_takes_and_the_choice():
     with pytest.raises(ValueError, match="^score_keys_cuda: 8 query heads are not a multiple"):
         score_keys_cuda(q, jnp.zeros((3, 10, D), jnp.bfloat16), jnp.zeros((2, 4), jnp.int32),
                         jnp.ones((2,), jnp.int32), page_size=P)
+    with pytest.raises(ValueError, match="^score_keys_cuda: rounds must be >= 1, got 0"):
+        score_keys_cuda(q, cent, jnp.zeros((2, 4), jnp.int32), jnp.ones((2,), jnp.int32),
+                        page_size=P, rounds=0)
     if WHY is not None:
         with pytest.warns(UserWarning, match="CUDA one for score"):
             assert resolve_score("auto", q, (cent,), interpret=False) == "pallas"
