@@ -54,8 +54,6 @@ from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, pad_h
                                               sparse_decode_pallas)
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
-from pallas_kernels.sparse_score_cuda import score_keys_cuda
-from pallas_kernels.sparse_score_cuda import unavailable as score_cuda_unavailable
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
@@ -115,18 +113,15 @@ def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
     attend_warps=4)); 'a1': the balanced attention (CUDA: stream-K; 'a0' even splits, neither
     the device's choice); 'p1': the Pallas attention, 'p0' the CUDA one (neither: "auto", the
-    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks; 'k1': the CUDA scoring
-    ('k0' or neither: the Pallas scoring)."""
+    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
-                 p="attend", n="attend_programs", k="score")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapnk])(\d+)", spec)}
+                 p="attend", n="attend_programs")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapn])(\d+)", spec)}
     if "balanced" in kw:
         kw["balanced"] = bool(kw["balanced"])
     if "attend" in kw:
         kw["attend"] = "pallas" if kw["attend"] else "cuda"
-    if "score" in kw:
-        kw["score"] = "cuda" if kw["score"] else "pallas"
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -262,16 +257,6 @@ def breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, lengths, budg
             parts[f"part_attend_cuda{name}_lone"] = (None, run_cuda, (q, k_pages, v_pages, phys,
                                                                       slots, lone, lengths),
                                                      lone_bytes)
-    if score_cuda_unavailable() is None:
-        # The CUDA scoring with fixed rounds a block (1: each block one chain of table then
-        # centroid loads); the step's own choice is variant letter k1's part_score.
-        for rounds in (1, 2, 4):
-            def score_cuda(q_, c_, t_, l_, rounds=rounds):
-                keys = score_keys_cuda(q_, c_, t_, l_, page_size=P, rounds=rounds)
-                return q_ + (keys[:, :, 1].sum() == -1).astype(q_.dtype)
-            parts[f"part_score_cuda_r{rounds}"] = (None, score_cuda,
-                                                   (q, centroids, table_pad, lengths),
-                                                   centroid_bytes)
     if minmax is not None:
         quest = given.resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb, summaries=2)
 
@@ -368,8 +353,8 @@ def main(argv=None):
                          "letters+numbers: b block_pages, s splits, w attention warps, "
                          "g attention stages, c score_chunk, v score warps, t select warps, "
                          "a1 the balanced attention (CUDA: stream-K, a0 even splits), "
-                         "p1 the Pallas attention, n the CUDA attention's blocks, "
-                         "k1 the CUDA scoring (e.g. b4s2w2g1c64v4t4, b4a1, b4a1n66, b4k1)")
+                         "p1 the Pallas attention, n the CUDA attention's blocks "
+                         "(e.g. b4s2w2g1c64v4t4, b4a1, b4a1n66)")
     ap.add_argument("--triton-configs", default="",
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "
                          "'default', or letters+numbers: b block_pages, s splits, w attention "
