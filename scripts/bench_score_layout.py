@@ -10,14 +10,15 @@ keys, each call's time as it adds to a chain (``--loops marginal`` in bench_deco
 - ``head_major``: the library's scoring (``score_keys``), the pool's pages in random order;
 - ``head_major_runs``: the same kernel on a table whose rows are runs of consecutive pages
   (each program's 64 centroids of a head one 16 KB piece; same bytes);
-- ``page_major_cC``: a scoring of centroids laid out ``[N, Hkv * D]`` (a page's heads side by
-  side: 2 KB a page), one program for C slots of a row and every KV head, random order.
+- ``page_major_cCwW``: a scoring of centroids laid out ``[N, Hkv * D]`` (a page's heads side by
+  side: 2 KB a page), one program of W warps for C slots of a row and every KV head, random
+  order.
 
 Each way's keys are checked against the library's: the same ineligible slots, and scores
 equal to float32 rounding (the sums' order follows each kernel's tile shape).
 
     python3 scripts/bench_score_layout.py --batches 32 8 1 64 --out $OUT/score_layout.json
-    python3 scripts/bench_score_layout.py --interpret     # a CPU smoke run, small sizes
+    python3 scripts/bench_score_layout.py --interpret --warps 4   # a CPU smoke run, small sizes
 """
 
 from __future__ import annotations
@@ -65,7 +66,7 @@ def _page_major_kernel(q_ref, cent_ref, table_ref, len_ref, key_ref, *, chunk, h
         key_ref[h, :] = jnp.where(eligible, order_key(score), jnp.int32(INT_MIN))
 
 
-def score_page_major(q, cent_pm, table, lengths, *, chunk, hkv, interpret=False):
+def score_page_major(q, cent_pm, table, lengths, *, chunk, hkv, warps=4, interpret=False):
     """q ``[B, Hq, D]``, centroids ``[N, Hkv * D]``, table ``[B, Mpad]`` (Mpad a multiple of
     ``chunk``), lengths ``[B]`` -> keys ``[B, Hkv, Mpad]`` int32, as ``score_keys``'s."""
     b, hq, d = q.shape
@@ -79,7 +80,7 @@ def score_page_major(q, cent_pm, table, lengths, *, chunk, hkv, interpret=False)
                   pl.BlockSpec((1,), lambda bi, ci: (bi,))],
         out_specs=pl.BlockSpec((None, hkv, chunk), lambda bi, ci: (bi, 0, ci)),
         out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
-        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
         interpret=interpret, name="probe_score_page_major",
     )(q, cent_pm, table, lengths)
 
@@ -126,15 +127,17 @@ def main(argv=None):
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 8, 1, 64])
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--chunks", type=int, nargs="+", default=[8, 16, 32])
+    ap.add_argument("--warps", type=int, nargs="+", default=[4, 8])
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=9)
     ap.add_argument("--interpret", action="store_true",
                     help="Pallas interpret mode, 2 rows of 64 pages (a CPU smoke run)")
     ap.add_argument("--out", default=None, help="raw JSON here")
     args = ap.parse_args(argv)
-    for c in args.chunks:
-        if c < 1 or c & (c - 1):
-            ap.error(f"--chunks: {c} is not a power of two")
+    for flag, values in (("--chunks", args.chunks), ("--warps", args.warps)):
+        for v in values:
+            if v < 1 or v & (v - 1):
+                ap.error(f"{flag}: {v} is not a power of two")
     batches, context = args.batches, args.context
     if args.interpret:
         batches, context, args.chain, args.repeats = [2], 64 * P, 1, 1
@@ -159,9 +162,11 @@ def main(argv=None):
         ways = {"head_major": (library, ((cent,), table, lengths), table),
                 "head_major_runs": (library, ((cent,), runs, lengths), runs)}
         for c in args.chunks:
-            ways[f"page_major_c{c}"] = (
-                functools.partial(score_page_major, chunk=c, hkv=HKV, interpret=args.interpret),
-                (cent_pm, table, lengths), table)
+            for w in args.warps:
+                ways[f"page_major_c{c}w{w}"] = (
+                    functools.partial(score_page_major, chunk=c, hkv=HKV, warps=w,
+                                      interpret=args.interpret),
+                    (cent_pm, table, lengths), table)
         nbytes = b * HKV * (m - 3) * D * 2      # the eligible slots' centroids
         for name, (fn, fn_args, tab) in ways.items():
             got = np.asarray(jax.jit(fn)(q, *fn_args))
