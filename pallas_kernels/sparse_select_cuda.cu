@@ -32,16 +32,22 @@ namespace {
 
 constexpr int THREADS = 256, WARPS = THREADS / 32, BINS = 256, RESERVED = 3;
 
-// Inclusive prefix sums over the block of one value a thread, and the block's total; every
-// thread of the block calls it (two barriers).
-__device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
-  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
-  int x = value;
+// Inclusive prefix sums over the warp's lanes of one value a lane.
+__device__ __forceinline__ int warp_scan(int x) {
+  const int lane = threadIdx.x % 32;
 #pragma unroll
   for (int d = 1; d < 32; d <<= 1) {
     const int y = __shfl_up_sync(0xffffffffu, x, d);
     if (lane >= d) x += y;
   }
+  return x;
+}
+
+// Inclusive prefix sums over the block of one value a thread, and the block's total; every
+// thread of the block calls it (two barriers).
+__device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  const int x = warp_scan(value);
   if (lane == 31) warp_sums[warp] = x;
   __syncthreads();
   int before = 0, all = 0;
@@ -111,12 +117,7 @@ __global__ void __launch_bounds__(THREADS)
         int c[BINS / 32], sum = 0;   // lane l holds bins 255 - 8 l .. 248 - 8 l
 #pragma unroll
         for (int j = 0; j < BINS / 32; ++j) sum += (c[j] = hist[BINS - 1 - (lane * 8 + j)]);
-        int incl = sum;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int y = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += y;
-        }
+        const int incl = warp_scan(sum);
         int above = incl - sum;   // keys in the bins above this lane's
         if (above < rest && rest <= incl) {   // one lane: this one's bins hold it
           bool found = false;
