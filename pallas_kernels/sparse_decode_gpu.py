@@ -55,9 +55,6 @@ from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda, default_cuda_splits
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
-from pallas_kernels.sparse_select_cuda import select_from_keys_cuda
-from pallas_kernels.sparse_select_cuda import unavailable as select_cuda_unavailable
-from pallas_kernels.sparse_select_cuda import unsupported_args as select_cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, order_key
 from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode_args,
                                                checked_summaries)
@@ -73,41 +70,28 @@ def _is_pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 
 
-ATTEND_IMPLS = SELECT_IMPLS = ("auto", "cuda", "pallas")
-
-
-def resolve_cuda(setting: str, choice: str, bad_args: str | None, unavailable,
-                 interpret: bool) -> str:
-    """``GpuDecodeTuning.<setting>`` (``attend`` or ``select``) decided for arguments of which
-    the CUDA kernel says ``bad_args`` (None: it takes them): "cuda" or "pallas"; an explicit
-    "cuda" that cannot run raises one line saying why. "auto" falls back to pallas silently
-    for arguments the CUDA kernel does not take (a float32 cache, another head size), with a
-    warning when it is the machine (``unavailable()``) that lacks what it needs."""
-    if choice == "pallas" or (choice == "auto" and interpret):
-        return "pallas"
-    why = bad_args or ("it runs on a GPU only, not in interpret mode" if interpret
-                       else unavailable())
-    if why is None:
-        return "cuda"
-    if choice == "cuda":
-        raise ValueError(f"GpuDecodeTuning({setting}='cuda'): {why}")
-    if bad_args is None:
-        # Python's default filter shows it once per run.
-        warnings.warn(f"sparse decode: the Pallas kernel instead of the CUDA one for "
-                      f"{setting}: {why}", stacklevel=3)
-    return "pallas"
+ATTEND_IMPLS = ("auto", "cuda", "pallas")
 
 
 def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
-    """``GpuDecodeTuning.attend`` decided for these arguments (:func:`resolve_cuda`)."""
-    return resolve_cuda("attend", choice, cuda_unsupported_args(q, k_pages, page_size),
-                        cuda_unavailable, interpret)
-
-
-def resolve_select(choice: str, page_table, interpret: bool) -> str:
-    """``GpuDecodeTuning.select`` decided for this page table (:func:`resolve_cuda`)."""
-    return resolve_cuda("select", choice, select_cuda_unsupported_args(page_table),
-                        select_cuda_unavailable, interpret)
+    """``GpuDecodeTuning.attend`` decided for these arguments: "cuda" or "pallas"; an explicit
+    "cuda" that cannot run raises one line saying why. "auto" falls back to pallas silently
+    for arguments the CUDA kernel does not take (a float32 cache, another head size), with a
+    warning when it is the machine that lacks what it needs (:func:`cuda_unavailable`)."""
+    if choice == "pallas" or (choice == "auto" and interpret):
+        return "pallas"
+    bad_args = cuda_unsupported_args(q, k_pages, page_size)
+    why = bad_args or ("it runs on a GPU only, not in interpret mode" if interpret
+                       else cuda_unavailable())
+    if why is None:
+        return "cuda"
+    if choice == "cuda":
+        raise ValueError(f"GpuDecodeTuning(attend='cuda'): {why}")
+    if bad_args is None:
+        # Python's default filter shows it once per run.
+        warnings.warn(f"sparse decode: the Pallas kernel instead of the CUDA one for "
+                      f"attend: {why}", stacklevel=3)
+    return "pallas"
 
 
 def check_launch_settings(tuning) -> None:
@@ -184,11 +168,6 @@ class GpuDecodeTuning:
       way's time: stream-K where even parts leave the GPU idle or the lists are ragged;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
-    select: the selection: ``"cuda"``
-      (:func:`pallas_kernels.sparse_select_cuda.select_from_keys_cuda`: the threshold a byte
-      at a time, the ties and the compaction in one scan; not yet measured on a GPU),
-      ``"pallas"`` (the default; ``select_warps`` is its setting), or ``"auto"``: cuda where
-      it runs (a Hopper GPU, nvcc), else pallas.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -200,14 +179,11 @@ class GpuDecodeTuning:
     balanced: bool | None = None
     attend: str = "auto"
     attend_programs: int | None = None
-    select: str = "pallas"
 
     def __post_init__(self):
         check_launch_settings(self)
         if self.attend not in ATTEND_IMPLS:
             raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
-        if self.select not in SELECT_IMPLS:
-            raise ValueError(f"select must be one of {SELECT_IMPLS}, got {self.select!r}")
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
             raise ValueError(f"attend_programs must be in [1, {CUDA_MAX_PARTS}], got "
                              f"{self.attend_programs}")
@@ -470,8 +446,7 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, len
     max_pages = max_budget_pages or page_table.shape[1]
     summaries = as_summaries(summaries)
     tuning = dataclasses.replace(
-        tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret),
-        select=resolve_select(tuning.select, page_table, interpret))
+        tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret))
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
                             max_pages=max_pages, summaries=len(summaries))
     return _sparse_decode(q, k_pages, v_pages, summaries,
@@ -551,13 +526,7 @@ def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTunin
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
                      tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
     """The selection kernel alone: keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]`` -> the lists of
-    :func:`select_page_lists` (and its ``arrivals``); the CUDA kernel with ``tuning.select``
-    "cuda"."""
-    if tuning.select == "cuda":
-        phys, slots, count, zeros = select_from_keys_cuda(
-            keys, table, lengths, budget_pages, page_size=page_size, max_pages=max_pages,
-            kpad=kpad)
-        return (phys, slots, count, zeros) if arrivals else (phys, slots, count)
+    :func:`select_page_lists` (and its ``arrivals``)."""
     b, hkv, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
