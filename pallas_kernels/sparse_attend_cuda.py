@@ -82,10 +82,12 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     allows). How the blocks share the lists (``balanced``): True, stream-K, each block the
     same share of all the lists' pages however ragged they are; False, even splits, each
     list in ``splits`` parts (None: :func:`default_cuda_splits`) taken by the blocks in
-    turn; None, decided on the device for the lists at hand by a model of each way's time
-    (the kernel's attend_kernel): stream-K where even parts leave the GPU idle (19 rows' 152
-    lists, two waves on 132 SMs, the second 20 blocks) or the lists are ragged (one long row
-    among rows of one page), else even splits. ``arrivals``: zeros
+    turn; None, even splits for one row (its KV heads' lists are all of one length, so the
+    kernel skips reading the counts to choose), else decided on the device for the lists at
+    hand by a model of each way's time (the kernel's attend_kernel): stream-K where even
+    parts leave the GPU idle (19 rows' 152 lists, two waves on 132 SMs, the second 20
+    blocks) or the lists are ragged (one long row among rows of one page), else even
+    splits. ``arrivals``: zeros
     ``[B, Hkv, 1]`` int32 the call may use as its merge counters (the selection's, which
     saves a launch); None: made here. Arguments it does not take raise one line
     (:func:`unsupported_args`); where it cannot run (:func:`unavailable`) the call fails
@@ -105,6 +107,8 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     if not (1 <= programs <= MAX_PARTS and 1 <= splits <= MAX_PARTS):
         raise ValueError(f"attend_page_lists_cuda: programs and splits must be in "
                          f"[1, {MAX_PARTS}], got {programs} and {splits}")
+    if balanced is None and b == 1:
+        balanced = False
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
     parts = max(programs + lists, lists * splits)

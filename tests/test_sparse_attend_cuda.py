@@ -237,16 +237,16 @@ def test_default_splits_rule():
     assert default_cuda_splits(256, 8192, 132) == 1        # long lists: staged in pieces
 
 
-def step_lowered_for_an_h100(tuning: GpuDecodeTuning) -> str:
-    """The sparse step with ``tuning`` on a small case, lowered for an H100 on any host (an
-    abstract device): its StableHLO text."""
+def step_lowered_for_an_h100(tuning: GpuDecodeTuning, lengths=(300, 200)) -> str:
+    """The sparse step with ``tuning`` on a small case (one row a length), lowered for an H100
+    on any host (an abstract device): its StableHLO text."""
     from jax._src import mesh as mesh_lib
 
     h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
                                    platform="gpu")
-    q, k, v, cent, table, lengths = make_case(np.random.default_rng(0), lengths=[300, 200],
+    q, k, v, cent, table, lengths = make_case(np.random.default_rng(0), lengths=list(lengths),
                                               hkv=2, r=4, d=D, dtype=jnp.bfloat16)
-    budgets = jnp.asarray([8, 6], jnp.int32)
+    budgets = jnp.asarray([8, 6][:len(lengths)], jnp.int32)
     step = functools.partial(sparse_decode_pallas, page_size=P, centroids=cent, tuning=tuning)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -271,3 +271,15 @@ def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
     operands = call.group(1).split(", ")
     assert operands[3:6] == [f"{select}#0", f"{select}#1", f"{select}#2"]
     assert operands[7] == f"{select}#3"
+
+
+@pytest.mark.parametrize("lengths, balance", [((300,), 0), ((300, 200), -1)])
+def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
+    """On any host: one row's lists are all of one length, so the step asks the CUDA call for
+    even splits (balance 0: the kernel skips the counts' scan); two rows leave the choice to
+    the device (-1)."""
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda"), lengths)
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(.*balance = (-?\d+)", text)
+    assert call and int(call.group(1)) == balance
