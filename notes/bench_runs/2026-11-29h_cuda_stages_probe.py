@@ -44,10 +44,21 @@ from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, select_page_lists 
 from sparrow_jax.benchmarking import chained, marginal_seconds, profile_calls  # noqa: E402
 
 
-def variant_target(warps: int, stages: int, source: Path = sac.SOURCE, name: str = "") -> str:
+SPREAD = ("    for (int v = blockIdx.x; v < even_blocks; v += blocks) {\n",
+          "    const int stride = max(1, blocks / even_blocks);\n"
+          "    for (int v = blockIdx.x % stride ? even_blocks : blockIdx.x / stride;\n"
+          "         v < even_blocks; v += blocks / stride) {\n")
+
+
+def variant_target(warps: int, stages: int, source: Path = sac.SOURCE, name: str = "",
+                   spread: bool = False) -> str:
     """``source`` (the library's by default) with WARPS and STAGES replaced, built and
-    registered."""
+    registered; ``spread``: even splits' parts, when fewer than the blocks, taken by every
+    (blocks / parts)-th block instead of the first ones."""
     src = source.read_text()
+    if spread:
+        assert src.count(SPREAD[0]) == 1, "the even loop moved"
+        src = src.replace(*SPREAD)
     line = "constexpr int WARPS = 8, STAGES = 2;"
     assert line in src, "the source's constants moved"
     src = src.replace(line, f"constexpr int WARPS = {warps}, STAGES = {stages};")
@@ -65,12 +76,13 @@ def variant_target(warps: int, stages: int, source: Path = sac.SOURCE, name: str
     return target
 
 
-def attend(target, warps, q, k, v, phys, slots, count, lengths, splits=None, balance=-1):
+def attend(target, warps, q, k, v, phys, slots, count, lengths, splits=None, balance=-1,
+           programs=None):
     """``attend_page_lists_cuda`` through ``target`` (its splits default for ``warps``)."""
     b, hq, d = q.shape
     hkv = k.shape[0]
     lists, width = b * hkv, phys.shape[-1]
-    programs = sm_count()
+    programs = programs or sm_count()
     if splits is None:
         splits = max(1, min((programs // 2) // lists, width // warps))
     parts = max(programs + lists, lists * splits)
@@ -95,7 +107,9 @@ def main():
     ap.add_argument("--variants", default="w8s2,w8s3,w4s4,w4s6,w4s3,w8s2x2,w8s3x2",
                     help="wWsS[xN]: WARPS, STAGES, N times the default splits; 'lib': the "
                          "library's call as it is; 'base': --base-source's kernel (8 warps, "
-                         "2 stages, the device's choice of layout)")
+                         "2 stages, the device's choice of layout); 'n64': the library's "
+                         "kernel on 64 blocks; 'spread': --base-source's kernel (one from before "
+                         "b93b44e, whose even parts took the first blocks) with them spread")
     ap.add_argument("--base-source", type=Path, default=None,
                     help="another revision's sparse_attend_cuda.cu, for 'base'")
     ap.add_argument("--chain", type=int, default=20)
@@ -105,10 +119,14 @@ def main():
     args = ap.parse_args()
     specs, targets = [], {}
     for v in args.variants.split(","):
-        if v in ("lib", "base"):
+        if v in ("lib", "base", "n64", "spread"):
             specs.append((v, 8, 2, 1))
-            if v == "base":
+            if v == "base" and v not in targets:
                 targets[v] = variant_target(8, 2, args.base_source, "base")
+            if v == "spread" and v not in targets:
+                targets[v] = variant_target(8, 2, args.base_source, "spread", spread=True)
+            if v == "n64" and v not in targets:
+                targets[v] = variant_target(8, 2, name="n64")
             continue
         w, s, x = re.fullmatch(r"w(\d+)s(\d+)(?:x(\d+))?", v).groups()
         specs.append((v, int(w), int(s), int(x or 1)))
@@ -132,8 +150,9 @@ def main():
             if name == "lib":
                 fn = sac.attend_page_lists_cuda
             else:
-                def fn(q_, *a, _t=targets.get(name) or targets[(w, s)], _w=w, _sp=base * x):
-                    return attend(_t, _w, q_, *a, splits=_sp)
+                def fn(q_, *a, _t=targets.get(name) or targets[(w, s)], _w=w, _sp=base * x,
+                       _n=64 if name == "n64" else None):
+                    return attend(_t, _w, q_, *a, splits=_sp, programs=_n)
             out = jax.jit(fn)(q, *data)
             err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - ref.astype(jnp.float32))))
             row = dict(batch=b, variant=name, warps=w, stages=s, splits=base * x, max_abs_diff=err,
