@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import os
 import sys
@@ -37,13 +38,16 @@ import numpy as np  # noqa: E402
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "scripts"))
 
-from bench_decode import HKV, P, decode_inputs  # noqa: E402
-
 from pallas_kernels import sparse_attend_cuda as sac  # noqa: E402
 from pallas_kernels.cuda_build import build_library, find_nvcc  # noqa: E402
 from pallas_kernels.paged_attend_gpu import sm_count  # noqa: E402
-from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, select_page_lists  # noqa: E402
 from sparrow_jax.benchmarking import chained, profile_calls  # noqa: E402
+
+# The stages probe beside this file: its cases and its record.
+_spec = importlib.util.spec_from_file_location(
+    "stages_probe", Path(__file__).with_name("2026-11-29h_cuda_stages_probe.py"))
+stages_probe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(stages_probe)
 
 MAX_BLOCKS, PHASES = 1024, 10
 
@@ -160,16 +164,7 @@ def main():
     build()
     rows = []
     for b in args.batches:
-        m = args.context // P
-        q, kp, vp, cent, table, lengths = decode_inputs(
-            b, args.context, np.random.default_rng(0).permutation(b * m))
-        kb = args.budget // P
-        tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
-        phys, slots, count = select_page_lists(q, cent, table, lengths,
-                                               jnp.full((b,), kb, jnp.int32), page_size=P,
-                                               max_pages=kb, tuning=tuning)
-        data = (kp, vp, phys, slots, count, lengths)
-        ref = jax.jit(lambda q_, *a: sac.attend_page_lists_cuda(q_, *a))(q, *data)
+        q, data, ref = stages_probe.selected_lists(b, args.context, args.budget)
         for balance in args.balance:
             def fn(q_, *a, _bal=balance):
                 return attend(q_, *a, _bal)
@@ -200,9 +195,7 @@ def main():
                        cycles_since_entry=cycles)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
-                                                  argv=sys.argv[1:], rows=rows), indent=1))
+    stages_probe.write_rows(args.out, rows)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,26 @@ def attend(target, warps, q, k, v, phys, slots, count, lengths, splits=None, bal
     return out
 
 
+def selected_lists(b: int, context: int, budget: int):
+    """bench_decode's case at batch ``b`` -> (q, (K, V pages, phys, slots, count, lengths):
+    the selection's lists), and the library attention's output over them."""
+    m = context // P
+    q, kp, vp, cent, table, lengths = decode_inputs(
+        b, context, np.random.default_rng(0).permutation(b * m))
+    kb = budget // P
+    tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
+    phys, slots, count = select_page_lists(q, cent, table, lengths, jnp.full((b,), kb, jnp.int32),
+                                           page_size=P, max_pages=kb, tuning=tuning)
+    data = (kp, vp, phys, slots, count, lengths)
+    return q, data, jax.jit(lambda q_, *a: sac.attend_page_lists_cuda(q_, *a))(q, *data)
+
+
+def write_rows(path, rows) -> None:
+    if path:
+        Path(path).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
+                                              argv=sys.argv[1:], rows=rows), indent=1))
+
+
 def main():
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[8, 32, 1])
@@ -133,16 +153,8 @@ def main():
         targets[(int(w), int(s))] = variant_target(int(w), int(s))
     rows = []
     for b in args.batches:
-        m = args.context // P
-        q, kp, vp, cent, table, lengths = decode_inputs(
-            b, args.context, np.random.default_rng(0).permutation(b * m))
+        q, data, ref = selected_lists(b, args.context, args.budget)
         kb = args.budget // P
-        budgets = jnp.full((b,), kb, jnp.int32)
-        tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
-        phys, slots, count = select_page_lists(q, cent, table, lengths, budgets, page_size=P,
-                                               max_pages=kb, tuning=tuning)
-        data = (kp, vp, phys, slots, count, lengths)
-        ref = jax.jit(lambda q_, *a: sac.attend_page_lists_cuda(q_, *a))(q, *data)
         nbytes = b * HKV * kb * P * 128 * 2 * 2
         for name, w, s, x in specs:
             base = max(1, min((sm_count() // 2) // (b * HKV), kb // w))
@@ -169,9 +181,7 @@ def main():
                 row["us"] = 1e6 * marginal_seconds(fn, (q, *data), args.chain, args.repeats)
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
-                                                  argv=sys.argv[1:], rows=rows), indent=1))
+    write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
