@@ -164,8 +164,9 @@ class GpuDecodeTuning:
       a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
       cuda, ``balanced`` True is stream-K, False even splits (``splits`` of each list, None:
       :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`), None (unless
-      ``splits`` is set) decided on the device for each call's lists by a model of each
-      way's time: stream-K where even parts leave the GPU idle or the lists are ragged;
+      ``splits`` is set) even splits for one row, else decided on the device for each
+      call's lists by a model of each way's time: stream-K where even parts leave the GPU
+      idle or the lists are ragged;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
     """
