@@ -328,8 +328,9 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
 
 // How the blocks share the lists. Even: list i's `splits` parts of ceil(pages / splits)
 // entries are blocks of work lists * splits in all, taken by the gridDim.x blocks in turn
-// (fewer parts than blocks: one each by every stride-th block), each part merged with its list's others at parts i * splits ... Stream-K: block p takes
-// units [p * chunk, (p + 1) * chunk) of the lists laid end to end (list_ends), chunk =
+// (fewer parts than blocks: one each by every stride-th block), each part merged with its
+// list's others at parts i * splits ... Stream-K: block p takes units
+// [p * chunk, (p + 1) * chunk) of the lists laid end to end (list_ends), chunk =
 // ceil(total / blocks), across lists' ends where they fall, so every block has about the
 // same work however ragged the lists are. A list's part is the block's share of its pages
 // (the LIST_UNITS before them only weigh its cost); a list inside one block is written out
