@@ -77,8 +77,8 @@ EDITS = [   # (anchor, replacement): each anchor must occur once
      "    cp_wait<STAGES - 2>();\n    __syncwarp();\n    if (i == 0) rec(3);\n"),
     ("  const int guess_each = (list_len + splits - 1) / splits;\n",
      "  rec(0);\n  const int guess_each = (list_len + splits - 1) / splits;\n"),
-    ("  // Entries [from, to) of list i into `a`, `cap` staged at a time (the first `cap` already,\n",
-     "  rec(1);\n  // Entries [from, to) of list i into `a`, `cap` staged at a time (the first `cap` already,\n"),
+    ("  // Entries [from, to) of list i into `a`, `cap` staged",
+     "  rec(1);\n  // Entries [from, to) of list i into `a`, `cap` staged"),
     ("  Acc a;\n  if (balance == 0 || (balance < 0 && even_faster())) {\n",
      "  Acc a;\n  const bool chose_even = balance == 0 || (balance < 0 && even_faster());\n"
      "  rec(8);\n  if (chose_even) {\n"),
@@ -91,10 +91,8 @@ EDITS = [   # (anchor, replacement): each anchor must occur once
      "      }\n      rec(2);\n"),
     ("                     scale_log2, warp, lane, a);\n",
      "                     scale_log2, warp, lane, a);\n      rec(4);\n"),
-    ("                  [&](int idx, float val, float) { out_row[idx] = __float2bfloat16(val); });\n"
-     "      return;\n",
-     "                  [&](int idx, float val, float) { out_row[idx] = __float2bfloat16(val); });\n"
-     "      rec(5);\n      return;\n"),
+    ("out_row[idx] = __float2bfloat16(val); });\n      return;\n",
+     "out_row[idx] = __float2bfloat16(val); });\n      rec(5);\n      return;\n"),
     ("    arrive(&arrivals[i], n, part_o, part_lse, first, group, out_row, &s_last,\n"
      "           reinterpret_cast<float*>(smem));\n",
      "    rec(5);\n    arrive(&arrivals[i], n, part_o, part_lse, first, group, out_row, &s_last,\n"
