@@ -55,9 +55,6 @@ from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda, default_cuda_splits
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
-from pallas_kernels.sparse_score_cuda import score_keys_cuda
-from pallas_kernels.sparse_score_cuda import unavailable as score_cuda_unavailable
-from pallas_kernels.sparse_score_cuda import unsupported_args as score_cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, order_key
 from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode_args,
                                                checked_summaries)
@@ -73,41 +70,28 @@ def _is_pow2(x: int) -> bool:
     return x >= 1 and not x & (x - 1)
 
 
-ATTEND_IMPLS = SCORE_IMPLS = ("auto", "cuda", "pallas")
-
-
-def resolve_cuda(setting: str, choice: str, bad_args: str | None, unavailable,
-                 interpret: bool) -> str:
-    """``GpuDecodeTuning.<setting>`` (``attend`` or ``score``) decided for arguments of which
-    the CUDA kernel says ``bad_args`` (None: it takes them): "cuda" or "pallas"; an explicit
-    "cuda" that cannot run raises one line saying why. "auto" falls back to pallas silently
-    for arguments the CUDA kernel does not take (a float32 cache, another head size), with a
-    warning when it is the machine (``unavailable()``) that lacks what it needs."""
-    if choice == "pallas" or (choice == "auto" and interpret):
-        return "pallas"
-    why = bad_args or ("it runs on a GPU only, not in interpret mode" if interpret
-                       else unavailable())
-    if why is None:
-        return "cuda"
-    if choice == "cuda":
-        raise ValueError(f"GpuDecodeTuning({setting}='cuda'): {why}")
-    if bad_args is None:
-        # Python's default filter shows it once per run.
-        warnings.warn(f"sparse decode: the Pallas kernel instead of the CUDA one for "
-                      f"{setting}: {why}", stacklevel=3)
-    return "pallas"
+ATTEND_IMPLS = ("auto", "cuda", "pallas")
 
 
 def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
-    """``GpuDecodeTuning.attend`` decided for these arguments (:func:`resolve_cuda`)."""
-    return resolve_cuda("attend", choice, cuda_unsupported_args(q, k_pages, page_size),
-                        cuda_unavailable, interpret)
-
-
-def resolve_score(choice: str, q, summaries, interpret: bool) -> str:
-    """``GpuDecodeTuning.score`` decided for these arguments (:func:`resolve_cuda`)."""
-    return resolve_cuda("score", choice, score_cuda_unsupported_args(q, summaries),
-                        score_cuda_unavailable, interpret)
+    """``GpuDecodeTuning.attend`` decided for these arguments: "cuda" or "pallas"; an explicit
+    "cuda" that cannot run raises one line saying why. "auto" falls back to pallas silently
+    for arguments the CUDA kernel does not take (a float32 cache, another head size), with a
+    warning when it is the machine that lacks what it needs (:func:`cuda_unavailable`)."""
+    if choice == "pallas" or (choice == "auto" and interpret):
+        return "pallas"
+    bad_args = cuda_unsupported_args(q, k_pages, page_size)
+    why = bad_args or ("it runs on a GPU only, not in interpret mode" if interpret
+                       else cuda_unavailable())
+    if why is None:
+        return "cuda"
+    if choice == "cuda":
+        raise ValueError(f"GpuDecodeTuning(attend='cuda'): {why}")
+    if bad_args is None:
+        # Python's default filter shows it once per run.
+        warnings.warn(f"sparse decode: the Pallas kernel instead of the CUDA one for "
+                      f"attend: {why}", stacklevel=3)
+    return "pallas"
 
 
 def check_launch_settings(tuning) -> None:
@@ -185,12 +169,6 @@ class GpuDecodeTuning:
       idle or the lists are ragged;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
-    score: the scoring: ``"cuda"``
-      (:func:`pallas_kernels.sparse_score_cuda.score_keys_cuda`, centroids only: many more
-      of the scattered centroid reads in flight; not yet measured on a GPU),
-      ``"pallas"`` (:func:`score_keys`'s kernel; the default), or ``"auto"``: cuda where it
-      runs (bf16, head_dim 128, centroids, a Hopper GPU, nvcc), else pallas;
-      ``score_chunk`` and ``score_warps`` are the Pallas kernel's.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -202,14 +180,11 @@ class GpuDecodeTuning:
     balanced: bool | None = None
     attend: str = "auto"
     attend_programs: int | None = None
-    score: str = "pallas"
 
     def __post_init__(self):
         check_launch_settings(self)
         if self.attend not in ATTEND_IMPLS:
             raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
-        if self.score not in SCORE_IMPLS:
-            raise ValueError(f"score must be one of {SCORE_IMPLS}, got {self.score!r}")
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
             raise ValueError(f"attend_programs must be in [1, {CUDA_MAX_PARTS}], got "
                              f"{self.attend_programs}")
@@ -472,8 +447,7 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, len
     max_pages = max_budget_pages or page_table.shape[1]
     summaries = as_summaries(summaries)
     tuning = dataclasses.replace(
-        tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret),
-        score=resolve_score(tuning.score, q, summaries, interpret))
+        tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret))
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
                             max_pages=max_pages, summaries=len(summaries))
     return _sparse_decode(q, k_pages, v_pages, summaries,
@@ -529,14 +503,8 @@ def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTunin
                interpret=False):
     """The scoring kernel alone: q ``[B, Hq, D]``, summaries (as for
     :func:`select_page_lists`), table ``[B, Mpad]`` (padded, :func:`list_sizes`) -> keys
-    ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`, or the CUDA one with ``tuning.score``
-    "cuda")."""
+    ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
     summaries = as_summaries(summaries)
-    if tuning.score == "cuda":
-        why = score_cuda_unsupported_args(q, summaries)
-        if why is not None:
-            raise ValueError(f"score_keys: GpuDecodeTuning(score='cuda'): {why}")
-        return score_keys_cuda(q, summaries[0], table, lengths, page_size=page_size)
     b, hq, d = q.shape
     hkv, n_total = summaries[0].shape[:2]
     mpad = table.shape[1]

@@ -1,0 +1,158 @@
+"""Probe (session 48): the streaming CUDA scoring's stage size, warps and stages in flight.
+
+The kernel (the library's CUDA scoring of commit 2d10e06, removed after: give its source with
+``--source``, from the repository's root
+``git show 2d10e06:./pallas_kernels/sparse_score_cuda.cu > /tmp/score.cu``) streams each warp's run of 16-slot stages (4 KB of centroids) through a ring
+of ``STAGES`` shared-memory slots, 8 warps a block, a block an SM. This builds it with other ``SLOTS`` / ``WARPS`` / ``STAGES`` (each an FFI target of its
+own) and times the scoring alone at each batch against the Pallas scoring, every variant in
+one process, as bench_decode's ``part_score`` times it (what a call adds to a chain, or
+device time from a trace with ``--trace``). Each variant's keys are checked against the Pallas
+kernel's: the same slots marked ineligible, scores within float32 rounding.
+
+    python3 notes/bench_runs/2026-11-29i_cuda_score_probe.py --source /tmp/score.cu \
+        --batches 32 8 1 [--sorted | --contiguous] [--xla-sum]
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import re
+import sys
+import tempfile
+from pathlib import Path
+
+if "--trace" in sys.argv:   # read when the backend starts
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "")
+                               + " --xla_gpu_enable_command_buffer=").strip()
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_decode import HKV, P, decode_inputs  # noqa: E402
+
+from pallas_kernels.cuda_build import build_library, find_nvcc  # noqa: E402
+from pallas_kernels.paged_attend_gpu import sm_count  # noqa: E402
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, score_keys  # noqa: E402
+from sparrow_jax.benchmarking import chained, marginal_seconds, profile_calls  # noqa: E402
+
+LINE = "constexpr int SLOTS = 16, WARPS = 8, STAGES = 4;"
+
+
+def variant_target(source: Path, slots: int, warps: int, stages: int) -> str:
+    src = source.read_text()
+    assert LINE in src, "the source's constants moved"
+    src = src.replace(LINE, f"constexpr int SLOTS = {slots}, WARPS = {warps}, STAGES = {stages};")
+    name = f"s{slots}w{warps}t{stages}"
+    tmp = Path(tempfile.gettempdir()) / f"sparse_score_{name}.cu"
+    tmp.write_text(src)
+    built = build_library(tmp, find_nvcc())
+    log = re.findall(r"Used \d+ registers|\d+ bytes spill stores",
+                     built.with_suffix(".log").read_text())
+    target = f"sparrow_score_{name}"
+    handler = ctypes.CDLL(str(built)).SparrowSparseScore
+    jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(handler), platform="CUDA")
+    print(f"{name}: built, ptxas {log}", flush=True)
+    return target
+
+
+def score(target, q, cent, table, lengths, blocks):
+    b, hkv, m = q.shape[0], cent.shape[0], table.shape[1]
+    call = jax.ffi.ffi_call(target, jax.ShapeDtypeStruct((b, hkv, m), jnp.int32))
+    return call(q, cent, table, lengths, page_size=np.int64(P), blocks=np.int64(blocks))
+
+
+def scores_of(keys):
+    keys = np.asarray(keys, np.int32)
+    bits = np.where(keys < 0, keys ^ np.int32(0x7FFFFFFF), keys).astype(np.int32)
+    return bits.view(np.float32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--source", type=Path, required=True, help="the kernel's .cu file")
+    ap.add_argument("--batches", type=int, nargs="+", default=[32, 8, 1])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--variants", default="s16w8t4,s16w8t6,s16w16t3,s32w8t3,s32w4t6,s16w4t4x2",
+                    help="sSwWtT[xN]: SLOTS, WARPS, STAGES, N blocks an SM")
+    ap.add_argument("--chain", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--trace", action="store_true")
+    ap.add_argument("--sorted", action="store_true",
+                    help="each row's pages in increasing pool order (the reads' locality)")
+    ap.add_argument("--contiguous", action="store_true",
+                    help="row b's pages b * M .. b * M + M - 1: each (row, KV head)'s centroids "
+                         "one contiguous run")
+    ap.add_argument("--xla-sum", action="store_true",
+                    help="also time XLA summing the whole centroid array (the same bytes)")
+    ap.add_argument("--once", action="store_true",
+                    help="each case called once, untimed (for Nsight Compute)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    specs = []
+    for v in args.variants.split(","):
+        s, w, t, x = (int(g or 1) for g in re.fullmatch(r"s(\d+)w(\d+)t(\d+)(?:x(\d+))?",
+                                                       v).groups())
+        specs.append((v, variant_target(args.source, s, w, t), x))
+    rows = []
+    for b in args.batches:
+        m = args.context // P
+        q, _, _, cent, table, lengths = decode_inputs(
+            b, args.context, np.random.default_rng(0).permutation(b * m))
+        nbytes = b * HKV * (m - 3) * 128 * 2
+        if args.sorted:
+            table = jnp.sort(table, axis=1)
+        if args.contiguous:
+            table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
+        tuning = GpuDecodeTuning(score="pallas").resolve(page_size=P, batch=b, kv_heads=HKV,
+                                                         max_pages=128)
+        ref = np.asarray(score_keys(q, cent, table, lengths, page_size=P, tuning=tuning))
+        cases = [("pallas", lambda q_, c_, t_, l_: score_keys(q_, c_, t_, l_, page_size=P,
+                                                              tuning=tuning))]
+        for name, target, x in specs:
+            cases.append((name, lambda q_, c_, t_, l_, _t=target, _n=x * sm_count():
+                          score(_t, q_, c_, t_, l_, _n)))
+        if args.xla_sum:
+            # The same bytes read by XLA: every centroid once, summed (a same-size ceiling;
+            # scaled by a query element so that the chain's calls stay distinct).
+            cases.append(("xla_sum", lambda q_, c_, t_, l_: jnp.full(
+                (b, HKV, m), jnp.sum(c_ * q_[0, 0, 0], dtype=jnp.float32) > 1e30, jnp.int32)))
+        for name, fn in cases:
+            keys = np.asarray(jax.jit(fn)(q, cent, table, lengths))
+            if name == "xla_sum":
+                keys = ref
+            if args.once:
+                continue
+            ok = ref != np.int32(-2 ** 31)
+            row = dict(batch=b, variant=name, bytes=nbytes,
+                       same_ineligible=bool(np.array_equal(keys == -2 ** 31, ~ok)),
+                       max_score_diff=float(np.max(np.abs(scores_of(keys)[ok]
+                                                          - scores_of(ref)[ok]))))
+
+            def step(q_, c_, t_, l_, fn=fn):
+                return q_ + (fn(q_, c_, t_, l_)[:, :, 1].sum() == -1).astype(q_.dtype)
+            if args.trace:
+                run = chained(step, args.chain)
+                jax.block_until_ready(run(q, cent, table, lengths))
+                lines = profile_calls(run, (q, cent, table, lengths), args.chain)
+                busiest = max(lines.values(), key=lambda e: e["total_us"])
+                row["device_us"] = {e["name"][:40]: round(e["us"], 2) for e in busiest["top"]}
+            else:
+                row["us"] = 1e6 * marginal_seconds(step, (q, cent, table, lengths), args.chain,
+                                                   args.repeats)
+                row["gb_per_s"] = nbytes / row["us"] / 1e3
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
+                                                  argv=sys.argv[1:], rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
