@@ -2,10 +2,11 @@
 
 The kernel (the library's CUDA scoring of commit 2d10e06, removed after: give its source with
 ``--source``, from the repository's root
-``git show 2d10e06:./pallas_kernels/sparse_score_cuda.cu > /tmp/score.cu``) streams each warp's run of 16-slot stages (4 KB of centroids) through a ring
-of ``STAGES`` shared-memory slots, 8 warps a block, a block an SM. This builds it with other ``SLOTS`` / ``WARPS`` / ``STAGES`` (each an FFI target of its
-own) and times the scoring alone at each batch against the Pallas scoring, every variant in
-one process, as bench_decode's ``part_score`` times it (what a call adds to a chain, or
+``git show 2d10e06:./pallas_kernels/sparse_score_cuda.cu > /tmp/score.cu``) streams each
+warp's run of 16-slot stages (4 KB of centroids) through a ring of ``STAGES`` shared-memory
+slots, 8 warps a block, a block an SM. This builds it with other ``SLOTS`` / ``WARPS`` /
+``STAGES`` (each an FFI target of its own) and times the scoring alone at each batch against
+the Pallas scoring, every variant in one process, as bench_decode's ``part_score`` times it (what a call adds to a chain, or
 device time from a trace with ``--trace``). Each variant's keys are checked against the Pallas
 kernel's: the same slots marked ineligible, scores within float32 rounding.
 
