@@ -6,9 +6,10 @@ The kernel (the library's CUDA scoring of commit 2d10e06, removed after: give it
 warp's run of 16-slot stages (4 KB of centroids) through a ring of ``STAGES`` shared-memory
 slots, 8 warps a block, a block an SM. This builds it with other ``SLOTS`` / ``WARPS`` /
 ``STAGES`` (each an FFI target of its own) and times the scoring alone at each batch against
-the Pallas scoring, every variant in one process, as bench_decode's ``part_score`` times it (what a call adds to a chain, or
-device time from a trace with ``--trace``). Each variant's keys are checked against the Pallas
-kernel's: the same slots marked ineligible, scores within float32 rounding.
+the Pallas scoring, every variant in one process, as bench_decode's ``part_score`` times it
+(what a call adds to a chain, or device time from a trace with ``--trace``). Each variant's
+keys are checked against the Pallas kernel's: the same slots marked ineligible, scores within
+float32 rounding.
 
     python3 notes/bench_runs/2026-11-29i_cuda_score_probe.py --source /tmp/score.cu \
         --batches 32 8 1 [--sorted | --contiguous] [--xla-sum]
