@@ -42,6 +42,7 @@ from bench_decode import HKV, P, decode_inputs  # noqa: E402
 from pallas_kernels.cuda_build import build_library, find_nvcc  # noqa: E402
 from pallas_kernels.paged_attend_gpu import sm_count  # noqa: E402
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, score_keys  # noqa: E402
+from sparrow_jax.attention.selection import num_pages, order_key  # noqa: E402
 from sparrow_jax.benchmarking import chained, marginal_seconds, profile_calls  # noqa: E402
 
 LINE = "constexpr int SLOTS = 16, WARPS = 8, STAGES = 4;"
@@ -70,6 +71,21 @@ def score(target, q, cent, table, lengths, blocks):
     return call(q, cent, table, lengths, page_size=np.int64(P), blocks=np.int64(blocks))
 
 
+def xla_score(q, cent, table, lengths):
+    """The scoring's keys in XLA: each slot's centroid gathered, times the mean of its KV
+    head's queries, summed in float32 (one reduction fusion if XLA fuses the gather)."""
+    b, hq, d = q.shape
+    hkv, m = cent.shape[0], table.shape[1]
+    qbar = jnp.sum(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), axis=2) / (hq // hkv)
+    pages = jnp.take(cent, table, axis=1).astype(jnp.float32)           # [Hkv, B, M, D]
+    score = jnp.sum(pages * jnp.swapaxes(qbar, 0, 1)[:, :, None, :], axis=-1)
+    n = num_pages(lengths, P)
+    slot = jnp.arange(m)
+    eligible = (slot[None] >= 1) & (slot[None] < n[:, None] - 2)        # [B, M]
+    keys = jnp.where(eligible[None], order_key(score), jnp.int32(-2 ** 31))
+    return jnp.swapaxes(keys, 0, 1)
+
+
 def scores_of(keys):
     keys = np.asarray(keys, np.int32)
     bits = np.where(keys < 0, keys ^ np.int32(0x7FFFFFFF), keys).astype(np.int32)
@@ -78,7 +94,7 @@ def scores_of(keys):
 
 def main():
     ap = argparse.ArgumentParser()
-    ap.add_argument("--source", type=Path, required=True, help="the kernel's .cu file")
+    ap.add_argument("--source", type=Path, help="the kernel's .cu file (for --variants)")
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 8, 1])
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--variants", default="s16w8t4,s16w8t6,s16w16t3,s32w8t3,s32w4t6,s16w4t4x2",
@@ -91,6 +107,8 @@ def main():
     ap.add_argument("--contiguous", action="store_true",
                     help="row b's pages b * M .. b * M + M - 1: each (row, KV head)'s centroids "
                          "one contiguous run")
+    ap.add_argument("--xla-score", action="store_true",
+                    help="also time the scoring written in XLA (a gather, products, a sum)")
     ap.add_argument("--xla-sum", action="store_true",
                     help="also time XLA summing the whole centroid array (the same bytes)")
     ap.add_argument("--once", action="store_true",
@@ -98,7 +116,7 @@ def main():
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
     specs = []
-    for v in args.variants.split(","):
+    for v in filter(None, args.variants.split(",")):
         s, w, t, x = (int(g or 1) for g in re.fullmatch(r"s(\d+)w(\d+)t(\d+)(?:x(\d+))?",
                                                        v).groups())
         specs.append((v, variant_target(args.source, s, w, t), x))
@@ -112,7 +130,7 @@ def main():
             table = jnp.sort(table, axis=1)
         if args.contiguous:
             table = jnp.arange(b * m, dtype=jnp.int32).reshape(b, m)
-        tuning = GpuDecodeTuning(score="pallas").resolve(page_size=P, batch=b, kv_heads=HKV,
+        tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV,
                                                          max_pages=128)
         ref = np.asarray(score_keys(q, cent, table, lengths, page_size=P, tuning=tuning))
         cases = [("pallas", lambda q_, c_, t_, l_: score_keys(q_, c_, t_, l_, page_size=P,
@@ -120,6 +138,8 @@ def main():
         for name, target, x in specs:
             cases.append((name, lambda q_, c_, t_, l_, _t=target, _n=x * sm_count():
                           score(_t, q_, c_, t_, l_, _n)))
+        if args.xla_score:
+            cases.append(("xla_score", lambda q_, c_, t_, l_: xla_score(q_, c_, t_, l_)))
         if args.xla_sum:
             # The same bytes read by XLA: every centroid once, summed (a same-size ceiling;
             # scaled by a query element so that the chain's calls stay distinct).
