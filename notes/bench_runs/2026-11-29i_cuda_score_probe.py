@@ -9,10 +9,14 @@ slots, 8 warps a block, a block an SM. This builds it with other ``SLOTS`` / ``W
 the Pallas scoring, every variant in one process, as bench_decode's ``part_score`` times it
 (what a call adds to a chain, or device time from a trace with ``--trace``). Each variant's
 keys are checked against the Pallas kernel's: the same slots marked ineligible, scores within
-float32 rounding.
+float32 rounding. ``:nowrite`` and ``:late`` patch the kernel's key stores away, or into one
+coalesced write every 32 stages (whether the writes between the reads cost the DRAM time);
+``--xla-score`` times the scoring written in XLA, ``--xla-sum`` XLA reading the same bytes.
 
     python3 notes/bench_runs/2026-11-29i_cuda_score_probe.py --source /tmp/score.cu \
-        --batches 32 8 1 [--sorted | --contiguous] [--xla-sum]
+        --batches 32 8 1 [--sorted | --contiguous] [--xla-sum] [--xla-score]
+    python3 notes/bench_runs/2026-11-29i_cuda_score_probe.py --source /tmp/score.cu \
+        --batches 32 8 --variants s16w8t4,s16w8t4:nowrite,s16w8t4:late --xla-score --xla-sum
 """
 
 from __future__ import annotations
@@ -48,11 +52,46 @@ from sparrow_jax.benchmarking import chained, marginal_seconds, profile_calls  #
 LINE = "constexpr int SLOTS = 16, WARPS = 8, STAGES = 4;"
 
 
-def variant_target(source: Path, slots: int, warps: int, stages: int) -> str:
-    src = source.read_text()
+STORE = ("      keys[(first + i) * SLOTS + p] = slot >= 1 && slot < n - 2 ? order_key(total) : "
+         "INT_MIN;\n")
+# Patches of the keys' stores: "nowrite" stores none (a condition that never holds keeps the
+# scores computed), "late" holds a warp's keys in shared memory and writes them out every
+# KEEP stages and at the end of its run, coalesced, so the reads are not broken by writes.
+PATCHES = {
+    "nowrite": [(STORE, "      if (total == 1234.5f) keys[(first + i) * SLOTS + p] = n;\n")],
+    "late": [
+        ("constexpr int WARP_BYTES = STAGES * (STAGE_BYTES + SLOTS * 4);",
+         "constexpr int KEEP = 32;\n"
+         "constexpr int WARP_BYTES = STAGES * (STAGE_BYTES + SLOTS * 4) + KEEP * SLOTS * 4;"),
+        (STORE, "      s_keys[(i % KEEP) * SLOTS + p] = slot >= 1 && slot < n - 2 ? "
+                "order_key(total) : INT_MIN;\n"),
+        ("    __syncwarp();   // the stage's slot is copied into again by the next issue\n",
+         "    __syncwarp();   // the stage's slot is copied into again by the next issue\n"
+         "    if (i % KEEP == KEEP - 1 || i == count - 1) {\n"
+         "      const int held = (i % KEEP + 1) * SLOTS;\n"
+         "      int* to = keys + (first + i - i % KEEP) * SLOTS;\n"
+         "      for (int j = lane; j < held; j += 32) to[j] = s_keys[j];\n"
+         "      __syncwarp();\n"
+         "    }\n"),
+        ("  const uint32_t ring_table = ring + STAGES * STAGE_BYTES;\n",
+         "  const uint32_t ring_table = ring + STAGES * STAGE_BYTES;\n"
+         "  int* s_keys = reinterpret_cast<int*>(mine + STAGES * (STAGE_BYTES + SLOTS * 4));\n"),
+    ],
+}
+
+
+def patched(src: str, slots: int, warps: int, stages: int, patch: str = "") -> str:
     assert LINE in src, "the source's constants moved"
     src = src.replace(LINE, f"constexpr int SLOTS = {slots}, WARPS = {warps}, STAGES = {stages};")
-    name = f"s{slots}w{warps}t{stages}"
+    for old, new in PATCHES.get(patch, []):
+        assert src.count(old) == 1, f"{patch}: the source moved at {old!r}"
+        src = src.replace(old, new)
+    return src
+
+
+def variant_target(source: Path, slots: int, warps: int, stages: int, patch: str = "") -> str:
+    src = patched(source.read_text(), slots, warps, stages, patch)
+    name = f"s{slots}w{warps}t{stages}{patch}"
     tmp = Path(tempfile.gettempdir()) / f"sparse_score_{name}.cu"
     tmp.write_text(src)
     built = build_library(tmp, find_nvcc())
@@ -98,7 +137,8 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[32, 8, 1])
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--variants", default="s16w8t4,s16w8t6,s16w16t3,s32w8t3,s32w4t6,s16w4t4x2",
-                    help="sSwWtT[xN]: SLOTS, WARPS, STAGES, N blocks an SM")
+                    help="sSwWtT[xN][:PATCH]: SLOTS, WARPS, STAGES, N blocks an SM, and a "
+                         "patch of the keys' stores (nowrite, late)")
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--trace", action="store_true")
@@ -117,9 +157,9 @@ def main():
     args = ap.parse_args()
     specs = []
     for v in filter(None, args.variants.split(",")):
-        s, w, t, x = (int(g or 1) for g in re.fullmatch(r"s(\d+)w(\d+)t(\d+)(?:x(\d+))?",
-                                                       v).groups())
-        specs.append((v, variant_target(args.source, s, w, t), x))
+        *numbers, patch = re.fullmatch(r"s(\d+)w(\d+)t(\d+)(?:x(\d+))?(?::(\w+))?", v).groups()
+        s, w, t, x = (int(g or 1) for g in numbers)
+        specs.append((v, variant_target(args.source, s, w, t, patch or ""), x))
     rows = []
     for b in args.batches:
         m = args.context // P
