@@ -71,6 +71,11 @@ def _is_pow2(x: int) -> bool:
 
 
 ATTEND_IMPLS = ("auto", "cuda", "pallas")
+SCORE_IMPLS = ("auto", "pallas", "xla")
+# The scoring in XLA from this many page slots in the batch (rows x padded table width): a
+# fusion or two more than the Pallas kernel's one launch, paid back by its faster reads
+# from 4 rows of 32K tokens on (H200, budget 2048).
+XLA_SCORE_MIN_SLOTS = 8192
 
 
 def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
@@ -169,6 +174,9 @@ class GpuDecodeTuning:
       idle or the lists are ragged;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
+    score: the scoring: ``"pallas"`` (:func:`_score_kernel`), ``"xla"``
+      (:func:`score_keys_xla`), or ``"auto"``: xla for centroids from
+      ``XLA_SCORE_MIN_SLOTS`` page slots in the batch on (:func:`resolve_score`), else pallas.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -180,9 +188,12 @@ class GpuDecodeTuning:
     balanced: bool | None = None
     attend: str = "auto"
     attend_programs: int | None = None
+    score: str = "auto"
 
     def __post_init__(self):
         check_launch_settings(self)
+        if self.score not in SCORE_IMPLS:
+            raise ValueError(f"score must be one of {SCORE_IMPLS}, got {self.score!r}")
         if self.attend not in ATTEND_IMPLS:
             raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
@@ -492,11 +503,24 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
                             summaries=len(summaries))
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    keys = score_keys(q, summaries, table, lengths, page_size=page_size, tuning=tuning,
-                      interpret=interpret)
+    if resolve_score(tuning.score, table.shape, len(summaries)) == "xla":
+        keys = score_keys_xla(q, summaries, table, lengths, page_size=page_size)
+    else:
+        keys = score_keys(q, summaries, table, lengths, page_size=page_size, tuning=tuning,
+                          interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret,
                             arrivals=arrivals)
+
+
+def resolve_score(choice: str, table_shape: tuple[int, int], summaries: int) -> str:
+    """The scoring that runs for ``choice`` (:class:`GpuDecodeTuning`'s ``score``) on a padded
+    table ``[B, Mpad]`` of pages with ``summaries`` vectors each (2: Quest, kept on the Pallas
+    kernel under "auto": not measured against XLA)."""
+    if choice != "auto":
+        return choice
+    slots = table_shape[0] * table_shape[1]
+    return "xla" if summaries == 1 and slots >= XLA_SCORE_MIN_SLOTS else "pallas"
 
 
 def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
@@ -522,6 +546,32 @@ def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTunin
         compiler_params=plgpu.CompilerParams(num_warps=tuning.score_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
     )(q, *summaries, table, lengths)
+
+
+def score_keys_xla(q, summaries, table, lengths, *, page_size):
+    """The keys of :func:`score_keys` computed by XLA: each slot's summaries gathered and
+    multiplied element-wise by the queries, summed in float32 over the head dimension (never
+    TF32: no matmul). XLA fuses the gather into the sum, which read each gathered vector once
+    at 4.2 TB/s on an H200 where the Pallas kernel read at 2.9 (BENCHMARKS.md, kernel run AT).
+    Gathered as ``[Hkv, B, M, D]`` and transposed after: gathered as ``[B, Hkv, M, D]`` the
+    same sum took twice as long. Ineligible slots gather page 0, which stays in cache."""
+    summaries = as_summaries(summaries)
+    b, hq, d = q.shape
+    hkv = summaries[0].shape[0]
+    n = (lengths + page_size - 1) // page_size
+    slot = lax.broadcasted_iota(jnp.int32, table.shape, 1)
+    eligible = (slot >= 1) & (slot < n[:, None] - 2)                       # [B, Mpad]
+    idx = jnp.where(eligible, table, 0)
+    pages = [jnp.take(s, idx, axis=1).astype(jnp.float32) for s in summaries]  # [Hkv,B,M,D]
+    qg = jnp.swapaxes(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), 0, 1)
+    if len(pages) == 1:
+        qbar = jnp.sum(qg, axis=2) / (hq // hkv)                           # [Hkv, B, D]
+        score = jnp.sum(pages[0] * qbar[:, :, None], axis=-1)
+    else:
+        score = jnp.max(jnp.stack(
+            [jnp.sum(jnp.maximum(qg[:, :, None, r] * pages[1], qg[:, :, None, r] * pages[0]),
+                     axis=-1) for r in range(hq // hkv)]), axis=0)
+    return jnp.swapaxes(jnp.where(eligible[None], order_key(score), jnp.int32(_INT_MIN)), 0, 1)
 
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,

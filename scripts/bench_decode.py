@@ -113,15 +113,17 @@ def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
     attend_warps=4)); 'a1': the balanced attention (CUDA: stream-K; 'a0' even splits, neither
     the device's choice); 'p1': the Pallas attention, 'p0' the CUDA one (neither: "auto", the
-    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks."""
+    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks; 'x1': the scoring in XLA."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
-                 p="attend", n="attend_programs")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapn])(\d+)", spec)}
+                 p="attend", n="attend_programs", x="score")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapnx])(\d+)", spec)}
     if "balanced" in kw:
         kw["balanced"] = bool(kw["balanced"])
     if "attend" in kw:
         kw["attend"] = "pallas" if kw["attend"] else "cuda"
+    if "score" in kw:
+        kw["score"] = "xla" if kw["score"] else "pallas"
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -353,7 +355,8 @@ def main(argv=None):
                          "letters+numbers: b block_pages, s splits, w attention warps, "
                          "g attention stages, c score_chunk, v score warps, t select warps, "
                          "a1 the balanced attention (CUDA: stream-K, a0 even splits), "
-                         "p1 the Pallas attention, n the CUDA attention's blocks "
+                         "p1 the Pallas attention, n the CUDA attention's blocks, "
+                         "x1 the scoring in XLA "
                          "(e.g. b4s2w2g1c64v4t4, b4a1, b4a1n66)")
     ap.add_argument("--triton-configs", default="",
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "

@@ -14,7 +14,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, score_keys,
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, score_keys, score_keys_xla,
                                               select_page_lists, sparse_decode_pallas)
 from reference_np import (KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case,
                           select_pages_np, sparse_decode_np)
@@ -99,16 +99,18 @@ def test_quest_matches_float64_reference(r, d, dtype):
     assert_kernel_close(as64(out), want, low_precision=dtype == jnp.bfloat16)
 
 
-def test_quest_selection_equals_reference():
+@pytest.mark.parametrize("score", ["pallas", "xla"])
+def test_quest_selection_equals_reference(score):
     """The Quest lists, page for page (a group of 3: the largest over heads matters), from the
-    summaries as the cache stores them."""
+    summaries as the cache stores them, by either scoring."""
     rng = np.random.default_rng(13)
     q, k, v, _, table, lengths = make_case(rng, lengths=[1000, 17, 600], hkv=2, r=3, d=64,
                                            dtype=jnp.float32)
     budgets = np.array([30, 3, 64], np.int32)
     minmax = (jnp.min(k, axis=2), jnp.max(k, axis=2))
     phys, slots, count = select_page_lists(q, minmax, table, lengths, jnp.asarray(budgets),
-                                           page_size=P, max_pages=64, interpret=INTERPRET)
+                                           page_size=P, max_pages=64, interpret=INTERPRET,
+                                           tuning=GpuDecodeTuning(score=score))
     got, _ = lists_as_sets(phys, slots, count)
     _, want = sparse_decode_np(as64(q), as64(k), as64(v), np.asarray(table),
                                np.asarray(lengths), budgets, page_size=P, scorer="quest",
@@ -120,10 +122,11 @@ def test_quest_selection_equals_reference():
     GpuDecodeTuning(block_pages=4, splits=3, score_chunk=16, score_warps=2),
     GpuDecodeTuning(block_pages=8, splits=1, score_chunk=128, select_warps=8, attend_warps=4,
                     attend_stages=2),
-    GpuDecodeTuning(block_pages=2, splits=5)])
+    GpuDecodeTuning(block_pages=2, splits=5),
+    GpuDecodeTuning(score="xla")])
 def test_settings_do_not_change_the_result(tuning):
-    """Splits (also ones that leave some empty), block sizes, scoring chunks, warps and stages
-    are tuning only."""
+    """Splits (also ones that leave some empty), block sizes, scoring chunks, warps, stages
+    and the scoring's implementation are tuning only."""
     rng = np.random.default_rng(7)
     check(rng, lengths=[700, 33, 260], budgets=[17, 5, 9], hkv=1, r=3, d=64,
           dtype=jnp.float32, tuning=tuning)
@@ -133,7 +136,8 @@ def test_settings_do_not_change_the_result(tuning):
                                           (dict(splits=0), "splits"),
                                           (dict(score_chunk=8), "score_chunk"),
                                           (dict(attend_warps=3), "attend_warps"),
-                                          (dict(attend_stages=0), "attend_stages")])
+                                          (dict(attend_stages=0), "attend_stages"),
+                                          (dict(score="cuda"), "score")])
 def test_bad_tuning_is_named(change, match):
     with pytest.raises(ValueError, match=match):
         GpuDecodeTuning(**change)
@@ -146,7 +150,8 @@ def lists_as_sets(phys, slots, count):
             for h in range(c.shape[1])}, np.asarray(phys)
 
 
-def test_selection_equals_reference_and_lists_are_padded():
+@pytest.mark.parametrize("score", ["pallas", "xla"])
+def test_selection_equals_reference_and_lists_are_padded(score):
     rng = np.random.default_rng(11)
     q, k, v, cent, table, lengths = make_case(rng, lengths=[1000, 17, 600], hkv=2, r=2, d=64,
                                               dtype=jnp.float32)
@@ -154,7 +159,7 @@ def test_selection_equals_reference_and_lists_are_padded():
     max_pages = 64
     phys, slots, count = select_page_lists(
         q, cent, table, lengths, jnp.asarray(budgets), page_size=P,
-        max_pages=max_pages, interpret=INTERPRET)
+        max_pages=max_pages, interpret=INTERPRET, tuning=GpuDecodeTuning(score=score))
     got, phys = lists_as_sets(phys, slots, count)
     _, want = reference(q, k, v, cent, table, lengths, budgets)
     assert got == want
@@ -189,19 +194,23 @@ def test_selection_in_a_wide_table_follows_each_row():
     assert_kernel_close(as64(out), want_out, low_precision=False)
 
 
-def test_scoring_marks_every_slot_past_each_row():
+@pytest.mark.parametrize("score", ["pallas", "xla"])
+def test_scoring_marks_every_slot_past_each_row(score):
     """Scoring programs wholly past a row's eligible pages skip the scoring: in a 1024-slot
     table, rows of 3, 70 and 700 pages get, at every slot past page n - 3 and at page 0, the
     smallest key, and at pages 1 .. n - 3 keys in the order of the float64 scores
-    ``mean(q of the group) . centroid``."""
+    ``mean(q of the group) . centroid``; the same from the scoring in XLA."""
     rng = np.random.default_rng(13)
     pages = np.array([3, 70, 700])
     q, _, _, cent, table, lengths = make_case(rng, lengths=pages * P, hkv=2, r=3, d=16,
                                               dtype=jnp.float32, spare_cols=300)
     mpad = 1024
     padded = jnp.pad(table, ((0, 0), (0, mpad - table.shape[1])))
-    keys = np.asarray(score_keys(q, cent, padded, lengths, page_size=P,
-                                 interpret=INTERPRET))
+    if score == "xla":
+        keys = np.asarray(score_keys_xla(q, cent, padded, lengths, page_size=P))
+    else:
+        keys = np.asarray(score_keys(q, cent, padded, lengths, page_size=P,
+                                     interpret=INTERPRET))
     assert keys.shape == (3, 2, mpad)
     qbar = as64(q).reshape(3, 2, 3, -1).mean(axis=2)
     for b, n in enumerate(pages):
@@ -213,7 +222,8 @@ def test_scoring_marks_every_slot_past_each_row():
                     == np.argsort(want, kind="stable")).all()
 
 
-def test_ties_past_the_first_sizes_go_to_the_lower_page_index():
+@pytest.mark.parametrize("score", ["pallas", "xla"])
+def test_ties_past_the_first_sizes_go_to_the_lower_page_index(score):
     """Three centroid values over 600 pages (a 1024-slot search): slot j is high when
     j % 12 == 2, mid when j % 12 == 5, low otherwise, so 50 high slots tie for the budget's
     37 places by score, which go to the lowest: 2, 14, .., 434 (past the first 256 slots);
@@ -228,7 +238,7 @@ def test_ties_past_the_first_sizes_go_to_the_lower_page_index():
     phys, slots, count = select_page_lists(
         jnp.asarray(q), jnp.asarray(cent), jnp.asarray(table),
         jnp.asarray([n * P], jnp.int32), jnp.asarray([40], jnp.int32), page_size=P,
-        max_pages=40, interpret=INTERPRET)
+        max_pages=40, interpret=INTERPRET, tuning=GpuDecodeTuning(score=score))
     got, _ = lists_as_sets(phys, slots, count)
     assert got[0, 0] == [0] + list(range(2, 435, 12)) + [598, 599]
 

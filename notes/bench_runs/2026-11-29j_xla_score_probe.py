@@ -1,0 +1,142 @@
+"""Probe (session 49): the page scoring written in XLA, in three formulations, against the Pallas
+scoring kernel, each followed by the Pallas selection (which reads every key, so nothing of
+the scoring can be dropped by XLA), timed in one process as bench_decode's marginal loop.
+
+- ``pallas``: :func:`pallas_kernels.sparse_decode_gpu.score_keys`.
+- ``take``: the group's mean query first (a fusion of its own), the centroids gathered as
+  ``[Hkv, B, M, D]``, products summed over D, the keys transposed to ``[B, Hkv, M]``.
+- ``direct``: as ``take`` but gathered as ``[B, Hkv, M, D]`` (no transpose).
+- ``group_sum``: gathered as ``[B, Hkv, M, D]``, the products with each query head summed
+  over the group and D at once (no mean query first); ``lib`` in the raw JSON of its run,
+  the library's first ``score_keys_xla``. The library took ``take``'s formulation after it.
+
+Each case's keys are checked against the Pallas kernel's (the same ineligible slots, scores
+within float32 rounding); the optimized HLO's kernels of each are printed.
+
+    python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --batches 1 2 4 8 16 32 64
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from jax import lax
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+
+from bench_decode import HKV, P, decode_inputs  # noqa: E402
+
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, score_keys,  # noqa: E402
+                                              select_from_keys)
+from sparrow_jax.attention.selection import order_key  # noqa: E402
+from sparrow_jax.benchmarking import marginal_seconds  # noqa: E402
+
+INT_MIN = np.int32(-2 ** 31)
+
+
+def eligible_of(table, lengths):
+    n = (lengths + P - 1) // P
+    slot = lax.broadcasted_iota(jnp.int32, table.shape, 1)
+    return (slot >= 1) & (slot < n[:, None] - 2)
+
+
+def take(q, cent, table, lengths):
+    b, hq, d = q.shape
+    hkv = cent.shape[0]
+    ok = eligible_of(table, lengths)
+    qbar = jnp.sum(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), axis=2) / (hq // hkv)
+    pages = jnp.take(cent, jnp.where(ok, table, 0), axis=1).astype(jnp.float32)
+    score = jnp.sum(pages * jnp.swapaxes(qbar, 0, 1)[:, :, None, :], axis=-1)
+    return jnp.swapaxes(jnp.where(ok[None], order_key(score), INT_MIN), 0, 1)
+
+
+def direct(q, cent, table, lengths):
+    b, hq, d = q.shape
+    hkv = cent.shape[0]
+    ok = eligible_of(table, lengths)[:, None]
+    qbar = jnp.sum(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), axis=2) / (hq // hkv)
+    heads = lax.broadcasted_iota(jnp.int32, (1, hkv, 1), 1)
+    pages = cent[heads, jnp.where(ok, table[:, None], 0)].astype(jnp.float32)
+    score = jnp.sum(pages * qbar[:, :, None, :], axis=-1)
+    return jnp.where(ok, order_key(score), INT_MIN)
+
+
+def group_sum(q, cent, table, lengths):
+    b, hq, d = q.shape
+    hkv = cent.shape[0]
+    ok = eligible_of(table, lengths)[:, None]
+    heads = lax.broadcasted_iota(jnp.int32, (1, hkv, 1), 1)
+    pages = cent[heads, jnp.where(ok, table[:, None], 0)].astype(jnp.float32)[:, :, :, None]
+    qg = q.astype(jnp.float32).reshape(b, hkv, 1, hq // hkv, d)
+    score = jnp.sum(pages * qg, axis=(3, 4)) / (hq // hkv)
+    return jnp.where(ok, order_key(score), INT_MIN)
+
+
+def scores_of(keys):
+    keys = np.asarray(keys, np.int32)
+    return np.where(keys < 0, keys ^ np.int32(0x7FFFFFFF), keys).astype(np.int32).view(
+        np.float32)
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--chain", type=int, default=20)
+    ap.add_argument("--repeats", type=int, default=10)
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    rows = []
+    for b in args.batches:
+        m = args.context // P
+        kb = args.budget // P
+        q, _, _, cent, table, lengths = decode_inputs(
+            b, args.context, np.random.default_rng(0).permutation(b * m))
+        tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
+        mpad, kpad = list_sizes(m, kb, tuning)
+        table = jnp.pad(table, ((0, 0), (0, mpad - m)))
+        budgets = jnp.full((b,), kb, jnp.int32)
+        interpret = jax.default_backend() == "cpu"     # a check of the probe itself
+        cases = dict(
+            pallas=lambda q_, c_, t_, l_: score_keys(q_, c_, t_, l_, page_size=P, tuning=tuning,
+                                                     interpret=interpret),
+            take=take, direct=direct, group_sum=group_sum)
+        ref = np.asarray(jax.jit(cases["pallas"])(q, cent, table, lengths))
+        for name, fn in cases.items():
+            jitted = jax.jit(fn)
+            keys = np.asarray(jitted(q, cent, table, lengths))
+            ok = ref != INT_MIN
+            hlo = jitted.lower(q, cent, table, lengths).compile().as_text()
+            entry = hlo[hlo.index("ENTRY"):]
+            kernels = re.findall(r"= \S+ (fusion|custom-call|copy|transpose|gather|reduce)\(",
+                                 entry)
+
+            def step(q_, c_, t_, l_, bu_, fn=fn):
+                phys, _, count = select_from_keys(fn(q_, c_, t_, l_), t_, l_, bu_, page_size=P,
+                                                  max_pages=kb, kpad=kpad, tuning=tuning,
+                                                  interpret=interpret)
+                return q_ + ((phys[:, :, 0].sum() + count.sum()) == -1).astype(q_.dtype)
+            row = dict(batch=b, case=name, kernels=kernels,
+                       same_ineligible=bool(np.array_equal(keys == INT_MIN, ~ok)),
+                       max_score_diff=float(np.max(np.abs(scores_of(keys)[ok]
+                                                          - scores_of(ref)[ok]))),
+                       us=1e6 * marginal_seconds(step, (q, cent, table, lengths, budgets),
+                                                 args.chain, args.repeats))
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
+                                                  argv=sys.argv[1:], rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
