@@ -6,7 +6,8 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    (``1 .. n-3``): ``qbar . centroid``, or Quest's bound (the largest over the group's heads of
    ``sum_d max(q_d kmax_d, q_d kmin_d)``), turned into int32 keys whose signed order is the
    order of the scores (ineligible slots get the smallest key). Reads one key-sized vector per
-   page of the row (two for Quest), nothing past it (masked loads).
+   page of the row (two for Quest), nothing past it (masked loads). The same keys from XLA
+   (:func:`score_keys_xla`) are an option (``GpuDecodeTuning.score``).
 2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
    chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
@@ -71,11 +72,7 @@ def _is_pow2(x: int) -> bool:
 
 
 ATTEND_IMPLS = ("auto", "cuda", "pallas")
-SCORE_IMPLS = ("auto", "pallas", "xla")
-# The scoring in XLA from this many page slots in the batch (rows x padded table width): a
-# fusion or two more than the Pallas kernel's one launch, paid back by its faster reads
-# from 4 rows of 32K tokens on (H200, budget 2048).
-XLA_SCORE_MIN_SLOTS = 8192
+SCORE_IMPLS = ("pallas", "xla")
 
 
 def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
@@ -174,9 +171,12 @@ class GpuDecodeTuning:
       idle or the lists are ragged;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
-    score: the scoring: ``"pallas"`` (:func:`_score_kernel`), ``"xla"``
-      (:func:`score_keys_xla`), or ``"auto"``: xla for centroids from
-      ``XLA_SCORE_MIN_SLOTS`` page slots in the batch on (:func:`resolve_score`), else pallas.
+    score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
+      (:func:`score_keys_xla`). H200, 32K, budget 2048, the step alone: xla 111 against 127
+      us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
+      rollout engine's decode loop (batch 19) xla made the whole step 11-13% slower at 8K and
+      16K tokens, a cause not yet found (BENCHMARKS.md, kernel run AT, rollout run U): pallas
+      stays the default.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -188,7 +188,7 @@ class GpuDecodeTuning:
     balanced: bool | None = None
     attend: str = "auto"
     attend_programs: int | None = None
-    score: str = "auto"
+    score: str = "pallas"
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -503,7 +503,7 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
                             summaries=len(summaries))
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
-    if resolve_score(tuning.score, table.shape, len(summaries)) == "xla":
+    if tuning.score == "xla":
         keys = score_keys_xla(q, summaries, table, lengths, page_size=page_size)
     else:
         keys = score_keys(q, summaries, table, lengths, page_size=page_size, tuning=tuning,
@@ -511,16 +511,6 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
                             max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret,
                             arrivals=arrivals)
-
-
-def resolve_score(choice: str, table_shape: tuple[int, int], summaries: int) -> str:
-    """The scoring that runs for ``choice`` (:class:`GpuDecodeTuning`'s ``score``) on a padded
-    table ``[B, Mpad]`` of pages with ``summaries`` vectors each (2: Quest, kept on the Pallas
-    kernel under "auto": not measured against XLA)."""
-    if choice != "auto":
-        return choice
-    slots = table_shape[0] * table_shape[1]
-    return "xla" if summaries == 1 and slots >= XLA_SCORE_MIN_SLOTS else "pallas"
 
 
 def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTuning(),

@@ -113,7 +113,8 @@ def parse_variant(spec):
     """'b8s4w4' -> ('kernel_b8s4w4', GpuDecodeTuning(block_pages=8, splits=4,
     attend_warps=4)); 'a1': the balanced attention (CUDA: stream-K; 'a0' even splits, neither
     the device's choice); 'p1': the Pallas attention, 'p0' the CUDA one (neither: "auto", the
-    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks; 'x1': the scoring in XLA."""
+    CUDA one where it runs); 'n66': the CUDA attention on 66 blocks; 'x1': the scoring in
+    XLA, 'x0' the Pallas scoring."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
                  p="attend", n="attend_programs", x="score")
