@@ -10,10 +10,20 @@ the scoring can be dropped by XLA), timed in one process as bench_decode's margi
   over the group and D at once (no mean query first); ``lib`` in the raw JSON of its run,
   the library's first ``score_keys_xla``. The library took ``take``'s formulation after it.
 
-Each case's keys are checked against the Pallas kernel's (the same ineligible slots, scores
-within float32 rounding); the optimized HLO's kernels of each are printed.
+- ``spread``: as ``take``, but a slot that is not eligible gathers one of the pool's first
+  64 pages (by its slot index) instead of page 0 for all of them.
+
+``--length-frac F``: every row at F of the context, in the table as wide as the whole context
+(as the engine's power-of-two table widths leave its rows: half the slots past the row at
+times), so that ``take`` gathers page 0 for the other slots of every (row, KV head): whether
+that one address (a hot L2 line) is what made the engine's step slower with the XLA scoring
+(rollout run U) and ``spread`` avoids it. Each case's keys are checked against the Pallas
+kernel's (the same ineligible slots, scores within float32 rounding); the optimized HLO's
+kernels of each are printed.
 
     python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --batches 1 2 4 8 16 32 64
+    python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --batches 19 32 --length-frac 0.5 \
+        --cases pallas,take,spread
 """
 
 from __future__ import annotations
@@ -58,6 +68,17 @@ def take(q, cent, table, lengths):
     return jnp.swapaxes(jnp.where(ok[None], order_key(score), INT_MIN), 0, 1)
 
 
+def spread(q, cent, table, lengths):
+    b, hq, d = q.shape
+    hkv = cent.shape[0]
+    ok = eligible_of(table, lengths)
+    spare = lax.broadcasted_iota(jnp.int32, table.shape, 1) % min(64, cent.shape[1])
+    qbar = jnp.sum(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), axis=2) / (hq // hkv)
+    pages = jnp.take(cent, jnp.where(ok, table, spare), axis=1).astype(jnp.float32)
+    score = jnp.sum(pages * jnp.swapaxes(qbar, 0, 1)[:, :, None, :], axis=-1)
+    return jnp.swapaxes(jnp.where(ok[None], order_key(score), INT_MIN), 0, 1)
+
+
 def direct(q, cent, table, lengths):
     b, hq, d = q.shape
     hkv = cent.shape[0]
@@ -91,6 +112,9 @@ def main():
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--length-frac", type=float, default=1.0,
+                    help="every row at this fraction of the context (the table stays as wide)")
+    ap.add_argument("--cases", default="pallas,take,direct,group_sum,spread")
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=None)
@@ -104,14 +128,17 @@ def main():
         tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
         mpad, kpad = list_sizes(m, kb, tuning)
         table = jnp.pad(table, ((0, 0), (0, mpad - m)))
+        lengths = jnp.maximum(lengths * args.length_frac, 1).astype(jnp.int32)
         budgets = jnp.full((b,), kb, jnp.int32)
         interpret = jax.default_backend() == "cpu"     # a check of the probe itself
         cases = dict(
             pallas=lambda q_, c_, t_, l_: score_keys(q_, c_, t_, l_, page_size=P, tuning=tuning,
                                                      interpret=interpret),
-            take=take, direct=direct, group_sum=group_sum)
+            take=take, direct=direct, group_sum=group_sum, spread=spread)
         ref = np.asarray(jax.jit(cases["pallas"])(q, cent, table, lengths))
         for name, fn in cases.items():
+            if name not in args.cases.split(","):
+                continue
             jitted = jax.jit(fn)
             keys = np.asarray(jitted(q, cent, table, lengths))
             ok = ref != INT_MIN
