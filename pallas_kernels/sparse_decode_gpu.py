@@ -130,8 +130,8 @@ def checked_args(entry: str, q, k_pages, v_pages, page_table, lengths, budget_pa
 
 @dataclasses.dataclass(frozen=True)
 class GpuDecodeTuning:
-    """Settings of the GPU kernels that change speed, never the result (one static argument,
-    as jax's Pallas ops take their block sizes).
+    """Settings of the GPU kernels that change speed, never the result beyond float32
+    rounding (one static argument, as jax's Pallas ops take their block sizes).
 
     block_pages: pages per attention step, a power of two with at least 16 tokens (None:
       :func:`default_block_pages`).
@@ -176,7 +176,9 @@ class GpuDecodeTuning:
       us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
       rollout engine's decode loop (batch 19) xla made the whole step 11-13% slower at 8K and
       16K tokens, a cause not yet found (BENCHMARKS.md, kernel run AT, rollout run U): pallas
-      stays the default.
+      stays the default. The two sum in different orders, so scores equal to within float32
+      rounding may order differently: the one setting here that can change which of two
+      near-tied pages is chosen.
     """
     block_pages: int | None = None
     splits: int | None = None
