@@ -47,7 +47,7 @@ from bench_decode import HKV, P, decode_inputs  # noqa: E402
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, score_keys,  # noqa: E402
                                               select_from_keys)
 from sparrow_jax.attention.selection import order_key  # noqa: E402
-from sparrow_jax.benchmarking import marginal_seconds  # noqa: E402
+from sparrow_jax.benchmarking import marginal_seconds, write_record  # noqa: E402
 
 INT_MIN = np.int32(-2 ** 31)
 
@@ -160,9 +160,7 @@ def main():
                                                  args.chain, args.repeats))
             print(json.dumps(row), flush=True)
             rows.append(row)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
-                                                  argv=sys.argv[1:], rows=rows), indent=1))
+    write_record(args.out, rows=rows)
 
 
 if __name__ == "__main__":
