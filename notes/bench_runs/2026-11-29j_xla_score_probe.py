@@ -9,7 +9,6 @@ the scoring can be dropped by XLA), timed in one process as bench_decode's margi
 - ``group_sum``: gathered as ``[B, Hkv, M, D]``, the products with each query head summed
   over the group and D at once (no mean query first); ``lib`` in the raw JSON of its run,
   the library's first ``score_keys_xla``. The library took ``take``'s formulation after it.
-
 - ``spread``: as ``take``, but a slot that is not eligible gathers one of the pool's first
   64 pages (by its slot index) instead of page 0 for all of them.
 
@@ -24,13 +23,24 @@ kernels of each are printed.
     python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --batches 1 2 4 8 16 32 64
     python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --batches 19 32 --length-frac 0.5 \
         --cases pallas,take,spread
+
+``--rollout SCORE -- ARGS``: instead, ``scripts/bench_rollout.py ARGS`` with the engine's
+sparse step scoring by SCORE: ``pallas`` (the default), ``xla`` (``score_keys_xla``) or
+``spread`` (``score_keys_xla`` replaced by the case above), one process each:
+
+    for s in pallas xla spread; do XLA_PYTHON_CLIENT_MEM_FRACTION=0.95 \
+      python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --rollout $s -- --phase profile \
+        --batch 19 --repeats 1 --modes sparse --contexts 8192 16384 --no-split \
+        --no-emit-breakdown; done
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import re
+import runpy
 import sys
 from pathlib import Path
 
@@ -44,8 +54,10 @@ sys.path.insert(0, str(ROOT / "scripts"))
 
 from bench_decode import HKV, P, decode_inputs  # noqa: E402
 
+import pallas_kernels.sparse_decode_gpu as gpu  # noqa: E402
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, score_keys,  # noqa: E402
                                               select_from_keys)
+from sparrow_jax.attention import sparse  # noqa: E402
 from sparrow_jax.attention.selection import order_key  # noqa: E402
 from sparrow_jax.benchmarking import marginal_seconds, write_record  # noqa: E402
 
@@ -107,7 +119,25 @@ def scores_of(keys):
         np.float32)
 
 
+def rollout(score, argv):
+    """scripts/bench_rollout.py with argv, the engine's sparse step scoring by ``score``."""
+    if score != "pallas":
+        sparse.sparse_decode_pallas_checked = functools.partial(
+            gpu.sparse_decode_pallas_checked, tuning=GpuDecodeTuning(score="xla"))
+    if score == "spread":
+        def keys(q, summaries, table, lengths, *, page_size):
+            assert page_size == P and len(gpu.as_summaries(summaries)) == 1, "centroids only"
+            return spread(q, gpu.as_summaries(summaries)[0], table, lengths)
+        gpu.score_keys_xla = keys
+    sys.argv = [str(ROOT / "scripts" / "bench_rollout.py"), *argv]
+    runpy.run_path(sys.argv[0], run_name="__main__")
+
+
 def main():
+    if "--rollout" in sys.argv:
+        i = sys.argv.index("--rollout")
+        assert sys.argv[i + 2] == "--", "--rollout SCORE -- bench_rollout's arguments"
+        return rollout(sys.argv[i + 1], sys.argv[i + 3:])
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32, 64])
     ap.add_argument("--context", type=int, default=32768)
