@@ -56,7 +56,7 @@ from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda, default_cuda_splits
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
-from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, order_key
+from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, num_pages, order_key
 from sparrow_jax.attention.sparse_args import (as_summaries, check_sparse_decode_args,
                                                checked_summaries)
 
@@ -550,9 +550,8 @@ def score_keys_xla(q, summaries, table, lengths, *, page_size):
     summaries = as_summaries(summaries)
     b, hq, d = q.shape
     hkv = summaries[0].shape[0]
-    n = (lengths + page_size - 1) // page_size
     slot = lax.broadcasted_iota(jnp.int32, table.shape, 1)
-    eligible = (slot >= 1) & (slot < n[:, None] - 2)                       # [B, Mpad]
+    eligible = (slot >= 1) & (slot < num_pages(lengths, page_size)[:, None] - 2)   # [B, Mpad]
     idx = jnp.where(eligible, table, 0)
     pages = [jnp.take(s, idx, axis=1).astype(jnp.float32) for s in summaries]  # [Hkv,B,M,D]
     qg = jnp.swapaxes(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), 0, 1)

@@ -58,16 +58,15 @@ import pallas_kernels.sparse_decode_gpu as gpu  # noqa: E402
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, score_keys,  # noqa: E402
                                               select_from_keys)
 from sparrow_jax.attention import sparse  # noqa: E402
-from sparrow_jax.attention.selection import order_key  # noqa: E402
+from sparrow_jax.attention.selection import num_pages, order_key  # noqa: E402
 from sparrow_jax.benchmarking import marginal_seconds, write_record  # noqa: E402
 
 INT_MIN = np.int32(-2 ** 31)
 
 
 def eligible_of(table, lengths):
-    n = (lengths + P - 1) // P
     slot = lax.broadcasted_iota(jnp.int32, table.shape, 1)
-    return (slot >= 1) & (slot < n[:, None] - 2)
+    return (slot >= 1) & (slot < num_pages(lengths, P)[:, None] - 2)
 
 
 def take(q, cent, table, lengths):
