@@ -174,11 +174,12 @@ class GpuDecodeTuning:
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
       (:func:`score_keys_xla`). H200, 32K, budget 2048, the step alone: xla 111 against 127
       us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
-      rollout engine's decode loop (batch 19) xla made the whole step 11-13% slower at 8K and
-      16K tokens, a cause not yet found (BENCHMARKS.md, kernel run AT, rollout run U): pallas
-      stays the default. The two sum in different orders, so scores equal to within float32
-      rounding may order differently: the one setting here that can change which of two
-      near-tied pages is chosen.
+      rollout engine's decode loop (batch 19) xla made the whole step 11-22% slower from 8K
+      to 32K tokens, its fusion (the same HLO as in the benchmark) taking twice the time
+      there, a cause not yet found (BENCHMARKS.md, kernel run AT, rollout runs U and V):
+      pallas stays the default. The two sum in different orders, so scores equal to within
+      float32 rounding may order differently: the one setting here that can change which of
+      two near-tied pages is chosen.
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -519,7 +520,7 @@ def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTunin
                interpret=False):
     """The scoring kernel alone: q ``[B, Hq, D]``, summaries (as for
     :func:`select_page_lists`), table ``[B, Mpad]`` (padded, :func:`list_sizes`) -> keys
-    ``[B, Hkv, Mpad]`` int32 (:func:`_score_kernel`)."""
+    ``[Hkv, B, Mpad]`` int32 (:func:`_score_kernel`)."""
     summaries = as_summaries(summaries)
     b, hq, d = q.shape
     hkv, n_total = summaries[0].shape[:2]
@@ -533,8 +534,8 @@ def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTunin
                       summaries),
                   pl.BlockSpec((None, chunk), lambda bi, hi, ci: (bi, ci)),
                   pl.BlockSpec((1,), lambda bi, hi, ci: (bi,))],
-        out_specs=pl.BlockSpec((None, None, chunk), lambda bi, hi, ci: (bi, hi, ci)),
-        out_shape=jax.ShapeDtypeStruct((b, hkv, mpad), jnp.int32),
+        out_specs=pl.BlockSpec((None, None, chunk), lambda bi, hi, ci: (hi, bi, ci)),
+        out_shape=jax.ShapeDtypeStruct((hkv, b, mpad), jnp.int32),
         compiler_params=plgpu.CompilerParams(num_warps=tuning.score_warps, num_stages=1),
         interpret=interpret, name="sparse_decode_score",
     )(q, *summaries, table, lengths)
@@ -545,8 +546,10 @@ def score_keys_xla(q, summaries, table, lengths, *, page_size):
     multiplied element-wise by the queries, summed in float32 over the head dimension (never
     TF32: no matmul). XLA fuses the gather into the sum, which read each gathered vector once
     at 4.2 TB/s on an H200 where the Pallas kernel read at 2.9 (BENCHMARKS.md, kernel run AT).
-    Gathered as ``[Hkv, B, M, D]`` and transposed after: gathered as ``[B, Hkv, M, D]`` the
-    same sum took twice as long. Ineligible slots gather page 0, which stays in cache."""
+    Gathered and summed as ``[Hkv, B, M, D]``: as ``[B, Hkv, M, D]`` the same sum took twice
+    as long (kernel run AT). The keys are head-major so that no transpose follows the sum:
+    XLA sank one into it in the engine's step (rollout run V). Ineligible slots gather page
+    0: XLA cannot skip them, as the Pallas kernel does."""
     summaries = as_summaries(summaries)
     b, hq, d = q.shape
     hkv = summaries[0].shape[0]
@@ -562,14 +565,14 @@ def score_keys_xla(q, summaries, table, lengths, *, page_size):
         score = jnp.max(jnp.stack(
             [jnp.sum(jnp.maximum(qg[:, :, None, r] * pages[1], qg[:, :, None, r] * pages[0]),
                      axis=-1) for r in range(hq // hkv)]), axis=0)
-    return jnp.swapaxes(jnp.where(eligible[None], order_key(score), jnp.int32(_INT_MIN)), 0, 1)
+    return jnp.where(eligible[None], order_key(score), jnp.int32(_INT_MIN))
 
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
                      tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
-    """The selection kernel alone: keys ``[B, Hkv, Mpad]``, table ``[B, Mpad]`` -> the lists of
+    """The selection kernel alone: keys ``[Hkv, B, Mpad]``, table ``[B, Mpad]`` -> the lists of
     :func:`select_page_lists` (and its ``arrivals``)."""
-    b, hkv, mpad = keys.shape
+    hkv, b, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))
     one = pl.BlockSpec((None, None, 1), lambda bi, hi: (bi, hi, 0))
@@ -577,7 +580,7 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
     return pl.pallas_call(
         functools.partial(_select_kernel, page_size=page_size, max_pages=max_pages),
         grid=(b, hkv),
-        in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (bi, hi, 0)),
+        in_specs=[pl.BlockSpec((None, None, mpad), lambda bi, hi: (hi, bi, 0)),
                   pl.BlockSpec((None, mpad), lambda bi, hi: (bi, 0)),
                   row, row],
         out_specs=[out(), out()] + [one] * len(ones),

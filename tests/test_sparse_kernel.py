@@ -211,14 +211,14 @@ def test_scoring_marks_every_slot_past_each_row(score):
     else:
         keys = np.asarray(score_keys(q, cent, padded, lengths, page_size=P,
                                      interpret=INTERPRET))
-    assert keys.shape == (3, 2, mpad)
+    assert keys.shape == (2, 3, mpad)
     qbar = as64(q).reshape(3, 2, 3, -1).mean(axis=2)
     for b, n in enumerate(pages):
         for h in range(2):
-            assert (keys[b, h, 0] == keys[b, h, n - 2:]).all()
-            assert (keys[b, h, 1:n - 2] > keys[b, h, 0]).all()
+            assert (keys[h, b, 0] == keys[h, b, n - 2:]).all()
+            assert (keys[h, b, 1:n - 2] > keys[h, b, 0]).all()
             want = as64(cent)[h, np.asarray(table)[b, 1:n - 2]] @ qbar[b, h]
-            assert (np.argsort(keys[b, h, 1:n - 2], kind="stable")
+            assert (np.argsort(keys[h, b, 1:n - 2], kind="stable")
                     == np.argsort(want, kind="stable")).all()
 
 

@@ -6,6 +6,9 @@ the scoring can be dropped by XLA), timed in one process as bench_decode's margi
 - ``take``: the group's mean query first (a fusion of its own), the centroids gathered as
   ``[Hkv, B, M, D]``, products summed over D, the keys transposed to ``[B, Hkv, M]``.
 - ``direct``: as ``take`` but gathered as ``[B, Hkv, M, D]`` (no transpose).
+
+(Since session 50 the selection takes head-major keys ``[Hkv, B, M]``: ``take`` and ``spread``
+no longer transpose theirs, ``direct`` and ``group_sum`` do.)
 - ``group_sum``: gathered as ``[B, Hkv, M, D]``, the products with each query head summed
   over the group and D at once (no mean query first); ``lib`` in the raw JSON of its run,
   the library's first ``score_keys_xla``. The library took ``take``'s formulation after it.
@@ -38,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import json
 import re
 import runpy
@@ -76,7 +80,7 @@ def take(q, cent, table, lengths):
     qbar = jnp.sum(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), axis=2) / (hq // hkv)
     pages = jnp.take(cent, jnp.where(ok, table, 0), axis=1).astype(jnp.float32)
     score = jnp.sum(pages * jnp.swapaxes(qbar, 0, 1)[:, :, None, :], axis=-1)
-    return jnp.swapaxes(jnp.where(ok[None], order_key(score), INT_MIN), 0, 1)
+    return jnp.where(ok[None], order_key(score), INT_MIN)
 
 
 def spread(q, cent, table, lengths):
@@ -87,7 +91,7 @@ def spread(q, cent, table, lengths):
     qbar = jnp.sum(q.astype(jnp.float32).reshape(b, hkv, hq // hkv, d), axis=2) / (hq // hkv)
     pages = jnp.take(cent, jnp.where(ok, table, spare), axis=1).astype(jnp.float32)
     score = jnp.sum(pages * jnp.swapaxes(qbar, 0, 1)[:, :, None, :], axis=-1)
-    return jnp.swapaxes(jnp.where(ok[None], order_key(score), INT_MIN), 0, 1)
+    return jnp.where(ok[None], order_key(score), INT_MIN)
 
 
 def direct(q, cent, table, lengths):
@@ -98,7 +102,7 @@ def direct(q, cent, table, lengths):
     heads = lax.broadcasted_iota(jnp.int32, (1, hkv, 1), 1)
     pages = cent[heads, jnp.where(ok, table[:, None], 0)].astype(jnp.float32)
     score = jnp.sum(pages * qbar[:, :, None, :], axis=-1)
-    return jnp.where(ok, order_key(score), INT_MIN)
+    return jnp.swapaxes(jnp.where(ok, order_key(score), INT_MIN), 0, 1)
 
 
 def group_sum(q, cent, table, lengths):
@@ -109,7 +113,7 @@ def group_sum(q, cent, table, lengths):
     pages = cent[heads, jnp.where(ok, table[:, None], 0)].astype(jnp.float32)[:, :, :, None]
     qg = q.astype(jnp.float32).reshape(b, hkv, 1, hq // hkv, d)
     score = jnp.sum(pages * qg, axis=(3, 4)) / (hq // hkv)
-    return jnp.where(ok, order_key(score), INT_MIN)
+    return jnp.swapaxes(jnp.where(ok, order_key(score), INT_MIN), 0, 1)
 
 
 def scores_of(keys):
@@ -147,6 +151,10 @@ def main():
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--pools", type=int, default=1,
+                    help="the chain's calls read POOLS copies of the centroids in turn (more "
+                         "than L2 holds: no call finds the previous one's pages in cache)")
+    ap.add_argument("--hlo-dir", type=Path, default=None, help="each case's optimized HLO")
     args = ap.parse_args()
     rows = []
     for b in args.batches:
@@ -159,6 +167,7 @@ def main():
         table = jnp.pad(table, ((0, 0), (0, mpad - m)))
         lengths = jnp.maximum(lengths * args.length_frac, 1).astype(jnp.int32)
         budgets = jnp.full((b,), kb, jnp.int32)
+        pools = jnp.concatenate([cent] * args.pools, axis=1)
         interpret = jax.default_backend() == "cpu"     # a check of the probe itself
         cases = dict(
             pallas=lambda q_, c_, t_, l_: score_keys(q_, c_, t_, l_, page_size=P, tuning=tuning,
@@ -172,11 +181,18 @@ def main():
             keys = np.asarray(jitted(q, cent, table, lengths))
             ok = ref != INT_MIN
             hlo = jitted.lower(q, cent, table, lengths).compile().as_text()
+            if args.hlo_dir is not None:
+                args.hlo_dir.mkdir(parents=True, exist_ok=True)
+                (args.hlo_dir / f"{name}_b{b}.txt").write_text(hlo)
             entry = hlo[hlo.index("ENTRY"):]
             kernels = re.findall(r"= \S+ (fusion|custom-call|copy|transpose|gather|reduce)\(",
                                  entry)
 
+            calls = itertools.count()
+
             def step(q_, c_, t_, l_, bu_, fn=fn):
+                # Each traced call of the unrolled chain reads the next copy of the pool.
+                t_ = t_ + (next(calls) % args.pools) * cent.shape[1]
                 phys, _, count = select_from_keys(fn(q_, c_, t_, l_), t_, l_, bu_, page_size=P,
                                                   max_pages=kb, kpad=kpad, tuning=tuning,
                                                   interpret=interpret)
@@ -185,7 +201,8 @@ def main():
                        same_ineligible=bool(np.array_equal(keys == INT_MIN, ~ok)),
                        max_score_diff=float(np.max(np.abs(scores_of(keys)[ok]
                                                           - scores_of(ref)[ok]))),
-                       us=1e6 * marginal_seconds(step, (q, cent, table, lengths, budgets),
+                       pools=args.pools,
+                       us=1e6 * marginal_seconds(step, (q, pools, table, lengths, budgets),
                                                  args.chain, args.repeats))
             print(json.dumps(row), flush=True)
             rows.append(row)
