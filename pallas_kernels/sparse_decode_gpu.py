@@ -174,7 +174,7 @@ class GpuDecodeTuning:
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
       (:func:`score_keys_xla`). H200, 32K, budget 2048, the step alone: xla 111 against 127
       us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
-      rollout engine's decode loop (batch 19) xla made the whole step 11-22% slower from 8K
+      rollout engine's decode loop (batch 19) xla made the whole step 9-22% slower from 8K
       to 32K tokens, its fusion (the same HLO as in the benchmark) taking twice the time
       there, a cause not yet found (BENCHMARKS.md, kernel run AT, rollout runs U and V):
       pallas stays the default. The two sum in different orders, so scores equal to within
