@@ -27,6 +27,10 @@ kernels of each are printed.
     python3 notes/bench_runs/2026-11-29j_xla_score_probe.py --batches 19 32 --length-frac 0.5 \
         --cases pallas,take,spread
 
+``--pools N`` (session 50): the chained calls read N copies of the centroids in turn, so that
+none finds the previous call's pages in L2; ``--table rows``: each row's pages adjacent and
+ascending, as the engine's allocator hands them out; ``--hlo-dir``: each case's optimized HLO.
+
 ``--rollout SCORE -- ARGS``: instead, ``scripts/bench_rollout.py ARGS`` with the engine's
 sparse step scoring by SCORE: ``pallas`` (the default), ``xla`` (``score_keys_xla``) or
 ``spread`` (``score_keys_xla`` replaced by the case above), one process each:
@@ -151,6 +155,9 @@ def main():
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--repeats", type=int, default=10)
     ap.add_argument("--out", default=None)
+    ap.add_argument("--table", choices=("random", "rows"), default="random",
+                    help="rows: each row's pages adjacent and ascending in the pool, as the "
+                         "engine's allocator hands them out (random: a permutation)")
     ap.add_argument("--pools", type=int, default=1,
                     help="the chain's calls read POOLS copies of the centroids in turn (more "
                          "than L2 holds: no call finds the previous one's pages in cache)")
@@ -160,8 +167,9 @@ def main():
     for b in args.batches:
         m = args.context // P
         kb = args.budget // P
-        q, _, _, cent, table, lengths = decode_inputs(
-            b, args.context, np.random.default_rng(0).permutation(b * m))
+        order = (np.arange(b * m) if args.table == "rows"
+                 else np.random.default_rng(0).permutation(b * m))
+        q, _, _, cent, table, lengths = decode_inputs(b, args.context, order)
         tuning = GpuDecodeTuning().resolve(page_size=P, batch=b, kv_heads=HKV, max_pages=kb)
         mpad, kpad = list_sizes(m, kb, tuning)
         table = jnp.pad(table, ((0, 0), (0, mpad - m)))
@@ -201,7 +209,7 @@ def main():
                        same_ineligible=bool(np.array_equal(keys == INT_MIN, ~ok)),
                        max_score_diff=float(np.max(np.abs(scores_of(keys)[ok]
                                                           - scores_of(ref)[ok]))),
-                       pools=args.pools,
+                       pools=args.pools, table=args.table,
                        us=1e6 * marginal_seconds(step, (q, pools, table, lengths, budgets),
                                                  args.chain, args.repeats))
             print(json.dumps(row), flush=True)
