@@ -197,7 +197,7 @@ def append_token_pallas(page, slot, k, v, partial_sum, k_pages, v_pages, centroi
 
 
 @functools.partial(jax.jit, static_argnames=("layer", "page_size", "eps", "num_warps",
-                                            "dtype", "interpret"))
+                                             "dtype", "interpret"))
 def prep_append_token_pallas(page, slot, qkv, q_weight, k_weight, cos, sin, partial_sum,
                              k_pages, v_pages, centroids, quest=(), *, layer, page_size, eps,
                              num_warps=None, dtype=None, interpret=False):

@@ -33,7 +33,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.paged_attend_gpu import default_splits, merge_splits, pow2
 from pallas_kernels.sparse_decode_gpu import (check_launch_settings, checked_args,
-                                               default_score_chunk)
+                                              default_score_chunk)
 from sparrow_jax.attention.sparse_args import as_summaries
 
 MISSING = ("impl='triton' needs the jax-triton and triton packages: pip install "

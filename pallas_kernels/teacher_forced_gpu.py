@@ -133,7 +133,7 @@ def _block_selected(words, k0, bk: int, page_size: int):
     """Whether any query whose word is in ``words`` selected a page of the key block at k0."""
     span = max(bk // page_size, 1)
     bits = lax.shift_right_logical(words, jnp.broadcast_to(_page_bit(k0, page_size),
-                                                          words.shape))
+                                                           words.shape))
     return jnp.max(bits & jnp.int32((1 << span) - 1)) > jnp.int32(0)
 
 

@@ -58,7 +58,7 @@ from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
 from sparrow_jax.benchmarking import (chained, contiguous_attention, marginal_seconds,
-                                     median_seconds, profile_calls, read_ceiling)
+                                      median_seconds, profile_calls, read_ceiling)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_pallas_jax
 from sparrow_jax.attention.sparse import sparse_decode
 from sparrow_jax.decode_bench import DecodeShape, random_case
@@ -172,7 +172,7 @@ def triton_breakdown_cases(tuning, q, k_pages, v_pages, centroids, table, length
     if minmax is not None:
         parts["tpart_score_quest"] = (
             None, score_only(plan(**shape, scorer="quest")[0], ("kmin", "kmax", "table",
-                                                                 "lengths")),
+                                                                "lengths")),
             (q, *minmax, table, lengths), 2 * b * HKV * (m - 3) * D * 2)
     return {**parts,
             "tpart_score": (None, score_only(launches[0], ("centroids", "table", "lengths")),

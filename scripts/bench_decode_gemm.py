@@ -71,7 +71,7 @@ def main(argv=None):
             xla = lambda x, w: jnp.dot(x, w, preferred_element_type=jnp.float32)
             variants = [("xla", xla, None)]
             for bn, bk, s, wp, st in itertools.product(args.bn, args.bk, args.splits,
-                                                        args.warps, args.stages):
+                                                       args.warps, args.stages):
                 if (n % bn or (k // s) % bk or (n // bn) * s < args.min_programs
                         or bk * bn * 2 * st > 160 * 1024):
                     continue
@@ -153,7 +153,7 @@ def gate_up_cases(args, rng, results):
         want = np.asarray(xla(x, *ws[0]), np.float64) / 1e-3
         variants = [("xla", xla, None)]
         for bn, bk, wp, st in itertools.product([32, 64, 128], [64, 128], args.warps,
-                                                 args.stages):
+                                                args.stages):
             if 2 * bk * bn * 2 * st > 160 * 1024:
                 continue
             cfg = dict(block_n=bn, block_k=bk, num_warps=wp, num_stages=st)

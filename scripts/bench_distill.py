@@ -96,7 +96,7 @@ def _batch(rng, rows, prompt_len, r, vocab, schedule):
     prompts = np.full(rows, prompt_len, np.int32)
     lengths = np.full(rows, r, np.int32)
     budgets = np.array(schedule.budget_pages(prompt_len + np.arange(r)[None, :]
-                                               + np.zeros((rows, 1), np.int64)), np.int32)
+                                             + np.zeros((rows, 1), np.int64)), np.int32)
     budgets[:, 0] = 0                                   # token 0: the dense prefill
     logp = rng.uniform(-3, -0.1, (rows, r)).astype(np.float32)
     adv = rng.normal(0, 1, rows).astype(np.float32)

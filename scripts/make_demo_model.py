@@ -173,7 +173,7 @@ def main(argv=None) -> int:
     cfg = model_config(a)
     model = init_model(cfg, seed=a.seed)
     schedule = optax.warmup_cosine_decay_schedule(0.0, a.lr, min(a.warmup, a.steps // 2),
-                                                 a.steps, a.lr * 0.1)
+                                                  a.steps, a.lr * 0.1)
     optimizer = nnx.Optimizer(
         model, optax.chain(optax.clip_by_global_norm(1.0),
                            optax.adamw(schedule, weight_decay=a.weight_decay)), wrt=nnx.Param)
@@ -199,7 +199,7 @@ def main(argv=None) -> int:
         curriculum = step < a.short_steps
         tokens, starts, a_len = make_batch(short if curriculum else task, rng, a.batch_size)
         loss, p_pos = train_step(model, optimizer, jnp.asarray(tokens), jnp.asarray(starts),
-                                   a_len)
+                                 a_len)
         losses.append(float(loss))
         probs.append(float(np.asarray(p_pos)[:-1].mean()))   # the values, EOS excluded
         steps_done = step + 1

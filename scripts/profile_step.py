@@ -33,7 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from sparrow_jax.benchmarking import (device_timeline, events_by_name, growth_per_row,
-                                     launch_gaps, summarize_events)
+                                      launch_gaps, summarize_events)
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig

@@ -336,12 +336,12 @@ def calibrate(c: CalibrateConfig) -> dict:
         from sparrow_jax.step_times import load_step_times, measured_speedup
 
         timed = measured_speedup(load_step_times(c.step_times), schedule, prompt_len, gen_len,
-                                    page_size=c.page_size)
+                                 page_size=c.page_size)
     pl = ro["prompt_lengths"]
     result = {
         "command": "sparrow calibrate",
         "config": to_dict(c) | {"num_bins": num_bins, "quantile": 0.05, "top_k": top_k,
-                                 "direction": "p = dense policy, q = sparse actor"},
+                                "direction": "p = dense policy, q = sparse actor"},
         "model": c.model or f"preset:{c.preset}",
         "sequences": int(pl.shape[0]),
         "prompt_lengths": {"min": int(pl.min()), "max": int(pl.max())},

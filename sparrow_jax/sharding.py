@@ -241,7 +241,7 @@ def _context_sizes() -> dict[str, int] | None:
     if mesh.empty:
         return None
     sizes = {name: size for name, size, kind in zip(mesh.axis_names, mesh.axis_sizes,
-                                                      mesh.axis_types)
+                                                    mesh.axis_types)
              if kind == AxisType.Auto}
     return sizes if sizes and any(s > 1 for s in sizes.values()) else None
 

@@ -54,18 +54,18 @@ def _set(*path_and_value):
 TRAIN_CASES = [
     ("misspelt reward", _set("reward", "needel"), ["run.yaml", "reward 'needel'", "'needle'"]),
     ("misspelt key", _set("optim", "learning_rat", 1.0), ["run.yaml", "'learning_rat'",
-                                                         "'learning_rate'"]),
+                                                          "'learning_rate'"]),
     ("string number", _set("optim", "learning_rate", "fast"), ["run.yaml",
-                                                              "optim.learning_rate", "'fast'"]),
+                                                               "optim.learning_rate", "'fast'"]),
     ("num_eval 0", _set("data", "num_eval", 0), ["run.yaml", "data.num_eval", "0"]),
     ("decreasing table", _set("schedule", {"kind": "table", "table": [8, 4]}),
      ["run.yaml", "schedule", "non-decreasing", "8 then 4"]),
     ("engine typo", _set("rollout", "engine", "page_sise", 4), ["rollout.engine",
-                                                               "'page_sise'", "'page_size'"]),
+                                                                "'page_sise'", "'page_size'"]),
     ("engine top_p", _set("rollout", "engine", "top_p", 0.5), ["rollout.engine.top_p", "0.5",
-                                                              "temperature only"]),
+                                                               "temperature only"]),
     ("engine page size 0", _set("rollout", "engine", "page_size", 0), ["rollout.engine",
-                                                                      "page_size", "0"]),
+                                                                       "page_size", "0"]),
     ("schedule page size", _set("rollout", "engine", "page_size", 32),
      ["schedule.page_size", "16", "32"]),
     ("steps not an int", _set("steps", 2.5), ["run.yaml", "steps", "2.5"]),
@@ -130,7 +130,7 @@ CLI_CASES = [
 
 
 @pytest.mark.parametrize("argv, expected", CLI_CASES, ids=[" ".join(c[0][:1] + c[0][-2:])
-                                                            for c in CLI_CASES])
+                                                           for c in CLI_CASES])
 def test_command_line_errors(capsys, argv, expected):
     with pytest.raises(SystemExit) as e:
         main(argv)

@@ -178,7 +178,7 @@ def test_free_memory_as_devices_report_it():
         stats = jax.devices()[0].memory_stats()
         assert 0 < free_bytes() <= stats["bytes_limit"]
     gpu = SimpleNamespace(platform="gpu", memory_stats=lambda: {"bytes_limit": 10 ** 9,
-                                                              "bytes_in_use": 10 ** 8})
+                                                                "bytes_in_use": 10 ** 8})
     assert free_bytes(gpu) == 9 * 10 ** 8
     # a page: K and V (2 x 16 vectors) and a centroid, per layer and KV head, float32
     per_page = cfg.num_hidden_layers * cfg.num_key_value_heads * cfg.head_dim * 33 * 4

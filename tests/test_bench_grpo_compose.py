@@ -53,7 +53,7 @@ def test_several_runs_average_their_training(bench_grpo):
     (json.dumps({"tokens": 1}), "missing"),
     (json.dumps({**MODEL, "modes": {"sparse": {}}}), "a refill run")])
 def test_a_bad_rollout_model_is_refused_before_any_run(bench_grpo, tmp_path, capsys, content,
-                                                      match):
+                                                       match):
     path = tmp_path / "m.json"
     path.write_text(content)
     with pytest.raises(SystemExit) as e:

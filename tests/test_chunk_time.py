@@ -29,7 +29,7 @@ def test_step_model_by_hand():
     # A narrowed tail: each chunk at its own slot count's times, 2 steps at 5 slots (7.5 ms)
     # then 3 at 2 (3 ms).
     tail = [dict(width=6, steps=2, slots=5, contexts=[14, 9]), dict(width=6, steps=3, slots=2,
-                                                                   contexts=[13.5])]
+                                                                    contexts=[13.5])]
     assert predict_seconds(tail, {5: five, 2: times}) == pytest.approx(
         (2 * 7.5 + 3 * 3.0) * 1e-3)
 

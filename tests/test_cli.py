@@ -67,7 +67,8 @@ def test_generate_chat_prompt_from_model_folder(capsys):
 
 
 def test_top_k_one_sampling_equals_greedy_and_seed_reproducible(capsys):
-    base = ("generate", "--model", CHAT, "--prompt", "Hello world", "--max-new-tokens", "4", "--ids")
+    base = ("generate", "--model", CHAT, "--prompt", "Hello world", "--max-new-tokens", "4",
+            "--ids")
     greedy = _run(capsys, *base)[1]
     assert _run(capsys, *base, "--temperature", "1.0", "--top-k", "1", "--seed", "9")[1] == greedy
     sampled = [_run(capsys, *base, "--temperature", "1.5", "--seed", "3")[1] for _ in range(2)]

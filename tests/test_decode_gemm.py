@@ -39,7 +39,7 @@ def _numpy_add_norm(proj, residual, weight, eps, dtype):
 
 
 @pytest.mark.parametrize("rows,k,n,splits", [(1, 512, 128, None), (19, 768, 192, 2),
-                                              (48, 512, 320, 4), (100, 256, 64, 1)])
+                                             (48, 512, 320, 4), (100, 256, 64, 1)])
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
 def test_gemm_partials_sum_to_the_product(rows, k, n, splits, dtype):
     rng = np.random.default_rng(rows)

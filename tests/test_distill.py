@@ -67,7 +67,7 @@ def noisy():
 
 def _student(model, ro, rule=RULE):
     fn = jax.jit(lambda st, *a: student_logprobs(nnx.merge(graphdef, st), *a, temperature=TEMP,
-                                                  rule=rule))
+                                                 rule=rule))
     graphdef, state = nnx.split(model)
     return np.asarray(fn(state, ro.tokens, ro.prompt_lengths, ro.budget_pages))
 
@@ -233,4 +233,5 @@ def test_config_errors_name_the_key():
         DistillConfig(targets=("lm_head",))
     with pytest.raises(ConfigError, match="distill.rank"):
         DistillConfig(rank=0)
-    assert DistillConfig().optim(OptimConfig(learning_rate=1e-6)).learning_rate == pytest.approx(5e-6)
+    optim = DistillConfig().optim(OptimConfig(learning_rate=1e-6))
+    assert optim.learning_rate == pytest.approx(5e-6)

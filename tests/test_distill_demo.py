@@ -65,7 +65,7 @@ def lifted():
         key, sub = jax.random.split(key)
         ro = _rollout(model, prompts, sub)
         tokens, p, r = (np.asarray(x) for x in (ro.tokens, ro.prompt_lengths,
-                                                 ro.response_lengths))
+                                                ro.response_lengths))
         rewards = [needle_reward(None, tokens[i, p[i]:p[i] + r[i]].tolist(), answers[i // N])
                    for i in range(len(tokens))]
         batch = DistillBatch.of(ro, _dense(model, ro).logprobs,

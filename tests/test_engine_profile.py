@@ -104,6 +104,7 @@ def test_short_rows_in_a_wide_table():
                            temperature=1.0, dense_layers=(0,), table_bucket_pages=1,
                            prompt_multiple=8, pool_multiple=1, num_pages=999)
     sched = BudgetSchedule.fixed(3, page_size=P)
+
     def build():
         return fixed_context_batch(model, config, rows=5, prompt_len=5, key=jax.random.key(0),
                                    schedule=sched, max_context=12)

@@ -161,7 +161,7 @@ def test_entropy_and_kl_terms_match_numpy_and_their_gradients():
     np.testing.assert_allclose(float(metrics["kl"]), kl, rtol=1e-5)
     # gradients: d/d logp_new of the KL term is c_KL (1 - exp(ref - new)); d/d entropy is -c_H
     g_new, g_ent = jax.grad(lambda a, b: loss_of(a, b)[0], (0, 1))(jnp.asarray(logp_new),
-                                                                  jnp.asarray(entropy))
+                                                                   jnp.asarray(entropy))
     g_pg = jax.grad(lambda a: grpo_loss(
         a, *[jnp.asarray(x) for x in (logp_old, logp_sparse, adv, mask)], n, LossConfig())[0])(
             jnp.asarray(logp_new))

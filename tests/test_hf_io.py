@@ -49,10 +49,12 @@ def test_weights_land_in_our_layout(folder):
     hf = load_file(str(folder / "model.safetensors"))
     model, _ = load_qwen3(folder)
     attn = model.layers[1].self_attn
-    np.testing.assert_array_equal(attn.q_proj.kernel[...], hf["model.layers.1.self_attn.q_proj.weight"].T)
+    np.testing.assert_array_equal(attn.q_proj.kernel[...],
+                                  hf["model.layers.1.self_attn.q_proj.weight"].T)
     np.testing.assert_array_equal(model.layers[1].mlp.down_proj.kernel[...],
                                   hf["model.layers.1.mlp.down_proj.weight"].T)
-    np.testing.assert_array_equal(attn.k_norm.weight[...], hf["model.layers.1.self_attn.k_norm.weight"])
+    np.testing.assert_array_equal(attn.k_norm.weight[...],
+                                  hf["model.layers.1.self_attn.k_norm.weight"])
     np.testing.assert_array_equal(model.lm_head[...], hf["lm_head.weight"])
     np.testing.assert_array_equal(model.norm.weight[...], hf["model.norm.weight"])
 
@@ -80,7 +82,8 @@ def test_sharded_checkpoint_loads_all_shards():
 
 
 def test_param_dtype_bfloat16_storage():
-    model, _ = load_qwen3(hf_case("tied_gqa1")["path"], dtype=jnp.bfloat16, param_dtype=jnp.bfloat16)
+    model, _ = load_qwen3(hf_case("tied_gqa1")["path"], dtype=jnp.bfloat16,
+                          param_dtype=jnp.bfloat16)
     assert {a.dtype for a in _params(model).values()} == {jnp.dtype(jnp.bfloat16)}
 
 
@@ -101,7 +104,8 @@ def test_save_load_round_trip_is_exact(tmp_path, name):
     ours = load_file(str(tmp_path / "out" / "model.safetensors"))
     assert ours.keys() == hf.keys()
     for k in hf:
-        np.testing.assert_array_equal(ours[k].astype(np.float32), hf[k].astype(np.float32), err_msg=k)
+        np.testing.assert_array_equal(ours[k].astype(np.float32), hf[k].astype(np.float32),
+                                      err_msg=k)
 
 
 def test_round_trip_with_bf16_params_and_tokenizer(tmp_path):
@@ -110,7 +114,8 @@ def test_round_trip_with_bf16_params_and_tokenizer(tmp_path):
     save_qwen3(model, tmp_path / "out", tokenizer_dir=tok_dir)
     for name in ("tokenizer.json", "tokenizer_config.json", "chat_template.jinja"):
         assert (tmp_path / "out" / name).read_bytes() == (tok_dir / name).read_bytes()
-    assert load_file(str(tmp_path / "out" / "model.safetensors"))["model.norm.weight"].dtype == "bfloat16"
+    saved = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert saved["model.norm.weight"].dtype == "bfloat16"
     again, config2 = load_qwen3(tmp_path / "out", param_dtype=jnp.bfloat16)
     a, b = _params(model), _params(again)
     assert a.keys() == b.keys() and config2 == config
@@ -180,7 +185,8 @@ def test_wrong_shape_names_tensor_and_shapes(folder):
 
 def test_config_disagreeing_with_weights(folder):
     _edit_config(folder, num_key_value_heads=4)
-    with pytest.raises(CheckpointError, match=r"k_proj\.weight has shape \(32, 32\), expected \(64, 32\)"):
+    with pytest.raises(CheckpointError,
+                       match=r"k_proj\.weight has shape \(32, 32\), expected \(64, 32\)"):
         load_qwen3(folder)
 
 
@@ -188,7 +194,8 @@ def test_unexpected_tensor_is_an_error_but_inv_freq_is_ignored(folder):
     _edit_tensors(folder, lambda t: t.update(
         {"model.layers.0.self_attn.rotary_emb.inv_freq": np.ones(8, np.float32)}))
     load_qwen3(folder)
-    _edit_tensors(folder, lambda t: t.update({"model.layers.2.mlp.up_proj.weight": np.ones((2, 2), np.float32)}))
+    _edit_tensors(folder, lambda t: t.update(
+        {"model.layers.2.mlp.up_proj.weight": np.ones((2, 2), np.float32)}))
     with pytest.raises(CheckpointError, match=r"does not use.*layers\.2\.mlp\.up_proj"):
         load_qwen3(folder)
 

@@ -67,7 +67,8 @@ def test_chunked_head_matches_transformers_logprobs():
     want = np.take_along_axis(ref_lp, targets[..., None], -1)[..., 0]
     np.testing.assert_allclose(np.asarray(out.logprobs), want, atol=1e-4 * np.abs(ref).max())
     want_top = np.sort(ref_lp, -1)[..., ::-1][..., :5]
-    np.testing.assert_allclose(np.asarray(out.topk_logprobs), want_top, atol=1e-4 * np.abs(ref).max())
+    np.testing.assert_allclose(np.asarray(out.topk_logprobs), want_top,
+                               atol=1e-4 * np.abs(ref).max())
 
 
 def test_bfloat16_logits_match_transformers_bfloat16():

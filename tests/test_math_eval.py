@@ -80,7 +80,7 @@ def test_evaluate_held_out_defaults_and_errors():
     sets = {"b": PromptSet([[3]], [3])}
     got = evaluate_held_out({"dense": _dense}, sets, _score, 4, batch_size=2)
     assert {n for n in got if "pass_at" in n} == {"eval_dense_b_pass_at_1",
-                                                 "eval_dense_b_pass_at_4"}
+                                                  "eval_dense_b_pass_at_4"}
     with pytest.raises(ValueError, match=r"pass_ks \[8\] outside 1..k=4"):
         evaluate_held_out({"dense": _dense}, sets, _score, 4, batch_size=2, pass_ks=[8])
     with pytest.raises(ValueError, match="sample returned 1 responses for 1 prompts x k=4"):

@@ -72,7 +72,7 @@ def test_mismatch_metrics_match_numpy():
     rollout = Rollout(tokens=jnp.zeros((s, 16), jnp.int32), prompt_lengths=jnp.asarray(prompt),
                       response_lengths=jnp.asarray(resp), logprobs=jnp.zeros((s, r)),
                       topk_ids=jnp.asarray(q_ids), topk_logprobs=jnp.asarray(take(lp_q, q_ids, -1),
-                                                                              jnp.float32),
+                                                                             jnp.float32),
                       budget_pages=jnp.asarray(budget), finish_reason=jnp.zeros(s, jnp.int32),
                       prompt_index=jnp.arange(s))
     dense = DenseStats(jnp.zeros((s, r)), jnp.asarray(take(lp_p, q_ids, -1), jnp.float32),

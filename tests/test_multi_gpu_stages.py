@@ -48,7 +48,7 @@ def test_large_gpus_or_the_cpu_run_share_the_stage(multi_gpu, memory, tmp_path, 
 
 
 @pytest.mark.parametrize("memory, given, rows", [(79.6, None, 16), (139.8, None, 24),
-                                                  (None, None, 24), (79.6, 20, 20)])
+                                                 (None, None, 24), (79.6, 20, 20)])
 def test_rollout_rows_fit_the_gpu(multi_gpu, memory, given, rows, monkeypatch):
     """24 rows a GPU at 32K ran out of memory on 80 GB H100s; unless the rows are given, GPUs
     under 120 GiB get 16 (a CPU run, no nvidia-smi, keeps the default)."""

@@ -68,7 +68,7 @@ def _launch(config: Path, processes: int, *, resume=False, sigterm_at=None, devi
             env["SPARROW_TEST_SIGTERM_AT"] = str(sigterm_at)
         out = config.with_suffix(f".{i}.json")
         args = [sys.executable, __file__, str(config), str(out)] + (["--resume"] if resume
-                                                                   else [])
+                                                                    else [])
         procs.append((subprocess.Popen(args, env=env, cwd=REPO, stdout=subprocess.PIPE,
                                        stderr=subprocess.PIPE, text=True), out))
     results = []
@@ -94,7 +94,7 @@ def _merged(results: list[dict]) -> list[list[list[int]]]:
     """Per step: every process's responses, in process order (rows of the whole batch)."""
     steps = len(results[0]["responses"])
     assert all(len(r["responses"]) == steps for r in results), [len(r["responses"])
-                                                                 for r in results]
+                                                                for r in results]
     return [sum((r["responses"][s] for r in results), []) for s in range(steps)]
 
 
@@ -214,7 +214,7 @@ def _sigterm_then_resume(tmp_path: Path, one_process: dict, devices=1, **over) -
     _assert_same_metrics(_metrics(run_dir), one_process["metrics"])
     # process 0 alone wrote the run folder's files; both wrote the checkpoint after the last step
     assert sorted(p.name for p in run_dir.iterdir()) == ["checkpoints", "config.yaml",
-                                                        "metrics.jsonl"]
+                                                         "metrics.jsonl"]
     assert sorted(p.name for p in (run_dir / "checkpoints").iterdir()
                   if p.name.isdigit()) == ["1", str(STEPS)]
     return resumed

@@ -65,7 +65,7 @@ def _signal_in_rollout(signum, at_call):
 
 
 def test_sigterm_in_rollout_saves_the_state_before_the_step(tmp_path, reference, monkeypatch,
-                                                           capsys):
+                                                            capsys):
     """Through the CLI: exit status 128+15, one line saying how to resume, a checkpoint of the
     state before the abandoned step (step 2), and a resume equal to the uninterrupted run."""
     run_dir = tmp_path / "run"
@@ -110,12 +110,12 @@ def test_run_folders_hold_one_run(tmp_path, reference):
     trainer_mod.train(_cfg(run_dir, steps=2), rollout_fn=_sampler())
     # A fresh run into the used folder refuses, naming it and the ways out.
     with pytest.raises(RunDirError, match=f"run folder {run_dir} holds another run "
-                                          r"\(checkpoints 2; metrics.jsonl\).*--resume.*"
-                                          "--overwrite.*--run-dir"):
+                       r"\(checkpoints 2; metrics.jsonl\).*--resume.*"
+                       "--overwrite.*--run-dir"):
         trainer_mod.train(_cfg(run_dir), rollout_fn=_sampler())
     # A resume under a config that changes the results refuses, naming the keys.
     for over, key in [({"seed": 4}, "seed"), ({"optim": {"learning_rate": 2e-2}},
-                                               "optim.learning_rate")]:
+                                              "optim.learning_rate")]:
         with pytest.raises(RunDirError, match=f"cannot resume .*{key}"):
             trainer_mod.train(_cfg(run_dir, **over), resume=True, rollout_fn=_sampler())
     # More steps and another micro-batch size continue the run.

@@ -195,7 +195,7 @@ def check_training(shapes, states: dict) -> dict:
             jax.tree_util.tree_leaves_with_path((nnx.state(model), opt_state)),
             jax.tree.leaves((sharding.state_shardings(nnx.state(model), mesh), opt_sh),
                             is_leaf=is_sh))
-            if not x.sharding.is_equivalent_to(want, x.ndim)]
+                 if not x.sharding.is_equivalent_to(want, x.ndim)]
         out["x".join(map(str, shape))] = {
             "loss": metrics["loss"], "ref_loss": ref_metrics["loss"],
             "grad_norm": metrics["grad_norm"], "ref_grad_norm": ref_metrics["grad_norm"],
@@ -262,7 +262,7 @@ def check_load(shape, cases=("attn_bias", "bf16")) -> dict:
             jax.tree_util.tree_leaves_with_path(state),
             jax.tree.leaves(sharding.state_shardings(state, mesh),
                             is_leaf=lambda s: isinstance(s, jax.sharding.Sharding)))
-            if not x.sharding.is_equivalent_to(w, x.ndim)]
+                 if not x.sharding.is_equivalent_to(w, x.ndim)]
         with sharding.use_mesh(mesh):
             logits = jax.jit(lambda m, t: m(t))(sharded, tokens)
         out[case] = {"logit_diff": float(np.abs(np.asarray(logits) - np.asarray(plain(tokens)))

@@ -128,7 +128,8 @@ def test_score_ties_go_to_the_lower_page_index(scorer):
     length = np.array([n * P], np.int32)
     want, pages = sparse_decode_np(q, k, v, table, length, [6], page_size=P, scorer=scorer,
                                    return_pages=True)
-    assert pages[0, 0] == [0, 2, 3, 4, 10, 11]  # ties go to the lower page index (docs/design.md, section 3)
+    # ties go to the lower page index (docs/design.md, section 3)
+    assert pages[0, 0] == [0, 2, 3, 4, 10, 11]
     got = _run(q, k, v, table, length, [6], scorer)
     np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5)
     # A selection of other tied pages would give a visibly different output.

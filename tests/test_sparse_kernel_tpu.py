@@ -81,8 +81,8 @@ def check(rng, *, lengths, budgets, hkv, r, d, dtype, page_size, contiguous=Fals
 def test_matches_float64_reference(case):
     case = dict(case)
     rng = np.random.default_rng(case["r"] * 100 + case["page_size"])
-    check(rng, lengths=case.pop("lengths", KERNEL_LENGTHS), budgets=case.pop("budgets", KERNEL_BUDGETS),
-          hkv=2, d=128, **case)
+    check(rng, lengths=case.pop("lengths", KERNEL_LENGTHS),
+          budgets=case.pop("budgets", KERNEL_BUDGETS), hkv=2, d=128, **case)
 
 
 @pytest.mark.slow

@@ -12,8 +12,8 @@ from reference_np import assert_kernel_close, teacher_forced_case, teacher_force
 from sparrow_jax.attention.dense import causal_attention
 from sparrow_jax.attention.sparse import sparse_decode
 from sparrow_jax.attention.teacher_forced import (TeacherForcedBudgets,
-                                                   make_teacher_forced_attend,
-                                                   teacher_forced_sparse_attention)
+                                                  make_teacher_forced_attend,
+                                                  teacher_forced_sparse_attention)
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model, logits_from_hidden
 

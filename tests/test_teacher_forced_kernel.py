@@ -154,7 +154,7 @@ def _count_in_grad_jaxpr(remat: bool, names=("teacher_forced_select", "teacher_f
     from flax import nnx
 
     from sparrow_jax.attention.teacher_forced import (TeacherForcedBudgets,
-                                                       make_teacher_forced_attend)
+                                                      make_teacher_forced_attend)
     from sparrow_jax.config import ModelConfig
     from sparrow_jax.models.qwen3 import init_model
 

@@ -10,7 +10,7 @@ import pathlib
 import pytest
 
 from sparrow_jax.benchmarking import (device_events, device_timeline, growth_per_row,
-                                     launch_gaps, summarize_events)
+                                      launch_gaps, summarize_events)
 
 
 def write_trace(folder: pathlib.Path, events) -> None:

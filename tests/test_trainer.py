@@ -158,6 +158,7 @@ def test_sigkill_then_resume_is_bit_exact(tmp_path):
     assert sorted(a) == sorted(b) and len(a) > 0
     for k in a:
         np.testing.assert_array_equal(a[k], b[k], err_msg=k)
+
     # the logs agree too (timings aside), one line per step
     def lines(d):
         return [{k: v for k, v in json.loads(x).items() if not k.startswith(("time", "tokens"))}

@@ -87,7 +87,7 @@ def reference(tmp_path_factory):
 
 
 def test_interrupted_run_resumes_to_the_same_tables_and_metrics(tmp_path, reference,
-                                                               monkeypatch):
+                                                                monkeypatch):
     """SIGINT in the fourth update: the checkpoint of step 4 holds a streak of 1 in the measured
     bins (lowerings at steps 2 and 5), so a resume that lost the controller's counters would
     lower at another step. Bin 0 holds no token and keeps its 0 pages."""

@@ -138,7 +138,7 @@ def test_checkpoint_of_one_mesh_resumes_on_another(report):
     # mesh, then step 2 of this one
     assert len(b["rollouts"]) == 1 and len(b["metrics"]) == STEPS
     compared = check_run(b["metrics"], a["rollouts"] + b["rollouts"], ref, report["platform"],
-                          "resumed")
+                         "resumed")
     assert report["platform"] != "cpu" or compared == STEPS
 
 

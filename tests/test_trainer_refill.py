@@ -1,7 +1,8 @@
 """The GRPO trainer with continuous-refill rollouts (``rollout.refill_slots``) on a tiny model
 with the real engine, sparse past layer 0: refill samples the same tokens per sample as static
 batches (tests/test_refill.py), so three steps with 3 slots (fewer than the step's 8 rows)
-give the static run's metrics and weights (bit for bit on CPU). On a mesh: tests/test_trainer_mesh.py."""
+give the static run's metrics and weights (bit for bit on CPU). On a mesh:
+tests/test_trainer_mesh.py."""
 
 import json
 

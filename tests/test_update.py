@@ -136,7 +136,8 @@ def test_fused_recompute_equals_separate_recompute():
     base = _batch(4)
     k = 3
     actor = rng.integers(0, 40, base.logp_old.shape + (k,)).astype(np.int32)
-    rollout = Rollout(tokens=jnp.asarray(base.tokens), prompt_lengths=jnp.asarray(base.prompt_lengths),
+    rollout = Rollout(tokens=jnp.asarray(base.tokens),
+                      prompt_lengths=jnp.asarray(base.prompt_lengths),
                       response_lengths=jnp.asarray(base.response_lengths),
                       logprobs=jnp.asarray(base.logp_sparse), topk_ids=jnp.asarray(actor),
                       topk_logprobs=jnp.zeros(actor.shape), budget_pages=jnp.zeros(

@@ -32,8 +32,9 @@ def test_a_stuck_loop_is_ended_with_the_step_and_every_thread(tmp_path):
         text = stream.read()
     assert exits == [EXIT_STATUS] == [124]
     first = text.splitlines()[0]
-    assert first.startswith("sparrow: no step finished in ") and "(step_timeout_s=0.2); in step 7;" \
-        in first and first.endswith("exiting with status 124: resume from the last checkpoint")
+    assert first.startswith("sparrow: no step finished in ")
+    assert "(step_timeout_s=0.2); in step 7;" in first
+    assert first.endswith("exiting with status 124: resume from the last checkpoint")
     assert "most recent call first" in text and "test_watchdog.py" in text   # the stacks
 
 

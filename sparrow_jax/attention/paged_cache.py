@@ -92,6 +92,7 @@ def init_cache(config: ModelConfig, num_pages: int, page_table, *, page_size: in
                              f"[{table.min()}, {table.max()}]")
     layers, heads, d = config.num_hidden_layers, config.num_key_value_heads, config.head_dim
     b = page_table.shape[0]
+
     # Every array its own buffer: a donated cache must not hand one buffer over twice.
     def pages():
         return tuple(jnp.zeros((heads, num_pages, page_size, d), dtype) for _ in range(layers))

@@ -157,7 +157,7 @@ def run(args: argparse.Namespace) -> int:
     seconds = time.perf_counter() - t0
 
     tokens, pl, rl = (np.asarray(x) for x in (rollout.tokens, rollout.prompt_lengths,
-                                                  rollout.response_lengths))
+                                              rollout.response_lengths))
     for row in range(len(pl)):
         ids = tokens[row, pl[row]:pl[row] + rl[row]].tolist()
         if args.ids or tokenizer is None:

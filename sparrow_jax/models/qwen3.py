@@ -24,7 +24,7 @@ from sparrow_jax.attention.dense import causal_attend
 from sparrow_jax.attention.selection import SAVED_NAME
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.decode_kernels import (gate_up_silu, kernels_apply, project_add_norm,
-                                              qkv_partials)
+                                               qkv_partials)
 from sparrow_jax.models.lora import Linear
 from sparrow_jax.models.qk_prep import QKPrep, rms_norm
 from sparrow_jax.models.rope import rope_angles

@@ -40,7 +40,7 @@ from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import DistillConfig, OptimConfig, UpdateConfig  # noqa: F401
 from sparrow_jax.rl.losses import LossConfig, grpo_loss, k3
 from sparrow_jax.rl.recompute import (gather_rows, plan_micro_batches, response_rows,
-                                     response_tokens, round_up)
+                                      response_tokens, round_up)
 from sparrow_jax.rl.update import NonFiniteError, make_optimizer
 from sparrow_jax.rollout.types import Rollout
 
@@ -205,7 +205,7 @@ def _micro_grads(graphdef, lora, rest, tokens, prompt_lengths, budget_pages, mas
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("temperature", "rule",
-                                                                   "chunk_size"))
+                                                                  "chunk_size"))
 def _student_jit(graphdef, state, tokens, prompt_lengths, budget_pages, *, temperature, rule,
                  chunk_size):
     return sharding.constrain_replicated(student_logprobs(

@@ -20,7 +20,7 @@ from sparrow_jax.models.lm_head import head_outputs
 from sparrow_jax.rl.config import UpdateConfig
 from sparrow_jax.rl.distill import SparseRule, actor_hidden, put_rows
 from sparrow_jax.rl.recompute import (DenseStats, HostRollout, gather_rows, plan_micro_batches,
-                                     response_rows, round_up)
+                                      response_rows, round_up)
 from sparrow_jax.rollout.types import Rollout
 
 

@@ -37,8 +37,8 @@ from sparrow_jax.models.lora import LoRAParam
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import grpo_loss
 from sparrow_jax.rl.recompute import (DenseStats, assemble_rows, gather_rows,
-                                     plan_micro_batches, response_hidden, response_tokens,
-                                     round_up, stats_from_hidden)
+                                      plan_micro_batches, response_hidden, response_tokens,
+                                      round_up, stats_from_hidden)
 
 TRAINABLE = nnx.All(nnx.Param, nnx.Not(LoRAParam))
 
