@@ -132,8 +132,10 @@ def main():
         mine = list(run_mesh.devices[0, 1])
         source = {s.device: s.data.unsafe_buffer_pointer() for s in x.addressable_shards}
         for order in (mine, mine[::-1]):
-            local_mesh = jax.make_mesh((1, 1, 2), sharding.AXES, devices=order,
-                                       axis_types=(jax.sharding.AxisType.Auto,) * 3)
+            # Mesh, not jax.make_mesh: on GPUs make_mesh sorts the devices by id, which would
+            # make both orders one mesh.
+            local_mesh = jax.sharding.Mesh(np.array(order).reshape(1, 1, 2), sharding.AXES,
+                                           axis_types=(jax.sharding.AxisType.Auto,) * 3)
             local = sharding.local_shards(x, local_mesh, spec)
             assert local.sharding.spec == spec and local.sharding.device_set == set(mine)
             np.testing.assert_array_equal(np.asarray(local), np.asarray(x))
