@@ -13,7 +13,7 @@ from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rl.config import OptimConfig, UpdateConfig
 from sparrow_jax.rl.losses import LossConfig
 from sparrow_jax.rl.recompute import recompute
-from sparrow_jax.rl.update import (NonFiniteError, PolicyUpdater, UpdateBatch,
+from sparrow_jax.rl.update import (NonFiniteError, PolicyUpdater, UpdateBatch, _add, _apply,
                                    mini_batch_gradients, split_model)
 from sparrow_jax.rollout.types import Rollout
 
@@ -181,3 +181,26 @@ def test_fused_recompute_equals_separate_recompute():
     jax.tree.map(lambda a, b: np.testing.assert_allclose(np.asarray(a), np.asarray(b),
                                                          rtol=1e-4, atol=1e-6), p0, p1)
     np.testing.assert_allclose(m0["loss"], m1["loss"], rtol=1e-4, atol=1e-7)
+
+
+def test_optimizer_step_reuses_the_moments_and_gradients_buffers():
+    """The optimizer step's outputs alias its donated inputs: the new moments take the old
+    ones' buffers and the new parameters the gradients', so the step holds no second copy of
+    the state; the micro-batches' gradient sum likewise. An update consumes the optimizer
+    state it is given; the parameters, which clones of the model share, stay."""
+    model = _model(4)
+    up = PolicyUpdater(UpdateConfig(length_multiple=32), OptimConfig())
+    _, params, _ = split_model(model)
+    state = up.init(model)
+    grads = jax.tree.map(jnp.ones_like, params)
+
+    def nbytes(tree):
+        return sum(np.asarray(x).nbytes for x in jax.tree.leaves(tree))
+    step = _apply.lower(up.optimizer, params, state, grads).compile().memory_analysis()
+    assert step.alias_size_in_bytes == nbytes(state) + nbytes(params)
+    assert _add.lower(grads, grads).compile().memory_analysis().alias_size_in_bytes == nbytes(
+        params)
+    clone = nnx.clone(model)
+    up.update(model, state, _batch(3), up.plan(jax.random.key(0), 8), TEMP, step=0)
+    assert all(x.is_deleted() for x in jax.tree.leaves(state))
+    assert not any(x.is_deleted() for x in jax.tree.leaves(split_model(clone)[1]))

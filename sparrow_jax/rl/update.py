@@ -122,8 +122,9 @@ def _micro_grads(graphdef, params, rest, tokens, prompt_lengths, mask, logp_old,
             sharding.constrain_replicated(stats))
 
 
-@jax.jit
+@functools.partial(jax.jit, donate_argnums=0)
 def _add(a, b):
+    """The gradient sum so far plus the next micro-batch's, in the buffers of the sum so far."""
     return jax.tree.map(jnp.add, a, b)
 
 
@@ -190,8 +191,13 @@ def mini_batch_gradients(graphdef, params, rest, batch: UpdateBatch, rows: np.nd
     return grads, sums, fused
 
 
-@functools.partial(jax.jit, static_argnums=(0,))
+@functools.partial(jax.jit, static_argnums=(0,), donate_argnums=(2, 3))
 def _apply(optimizer, params, opt_state, grads):
+    """One optimizer step. The moments and the gradients are donated: the new moments and
+    parameters take their buffers, so the step holds no second copy of the state (without it,
+    Qwen3-14B on fsdp=4 peaked at 96.4 GiB a GPU, weights and moments twice over; BENCHMARKS.md,
+    "Several GPUs on one host", run 11). The parameters are not donated: clones of the model
+    (the reference policy, DistillSparse's weights before the step) share their buffers."""
     updates, opt_state = optimizer.update(grads, opt_state, params)
     return sharding.constrain_params(optax.apply_updates(params, updates)), opt_state
 
