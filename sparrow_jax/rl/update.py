@@ -240,7 +240,9 @@ class PolicyUpdater:
         their host :class:`DenseStats` are returned (``[S, R]`` layout, zero on other rows; None
         without fusing), and the later optimizer steps use their log-probs as ``logp_old``
         (``batch`` itself is left as it is). Raises :class:`NonFiniteError` naming ``step``
-        before applying an update whose loss or gradient is not finite.
+        before applying an update whose loss or gradient is not finite. The ``opt_state`` given
+        is consumed by the first optimizer step (its buffers become the new state's); ``model``
+        is updated in place once every step has run.
         """
         graphdef, params, rest = split_model(model)
         history: list[dict[str, float]] = []
