@@ -105,7 +105,9 @@ class MeshConfig:
 
 def make_mesh(config: MeshConfig = MeshConfig(), devices: Sequence | None = None) -> Mesh:
     """A ``(data, fsdp, tensor)`` mesh over ``devices`` (default: every device of every process).
-    Axes are ``Auto``: the compiler propagates shardings from the arrays and the constraints."""
+    Axes are ``Auto``: the compiler propagates shardings from the arrays and the constraints.
+    ``devices`` chooses which devices, not where they sit: ``jax.make_mesh`` places them by the
+    hardware's topology (on GPUs by device id), so build a ``Mesh`` directly to fix an order."""
     devices = jax.devices() if devices is None else list(devices)
     sizes = config.axis_sizes(len(devices))
     return jax.make_mesh(sizes, AXES, axis_types=(AxisType.Auto,) * len(AXES), devices=devices)
