@@ -13,6 +13,9 @@ into a multi-stage buffer, or what a scattered store costs).
 
     PYTHONPATH=. python3 scripts/inspect_kernels.py --out $OUT/kernels --configs b4 b4s2g3
 
+The step's attention is the Pallas kernel in every variant (``auto``'s choice on a Hopper GPU,
+the CUDA kernel, is not Triton; a variant asking for it, ``p0``, is refused).
+
 Triton's version may differ from XLA's, so the figures are those of the same IR compiled by
 a near-identical compiler, not a reading of XLA's binary.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import dataclasses
 import json
 import os
 import re
@@ -120,6 +124,11 @@ def main(argv=None):
     ap.add_argument("--context", type=int, default=32768)
     ap.add_argument("--budget", type=int, default=2048)
     args = ap.parse_args(argv)
+    variants = [parse_variant(spec) for spec in args.configs]
+    for spec, (_, tuning) in zip(args.configs, variants):
+        if tuning.attend == "cuda":
+            ap.error(f"--configs {spec}: the CUDA attention is nvcc's, not a Triton kernel "
+                     f"(its build keeps nvcc's output: pallas_kernels/cuda_build.py)")
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     b, m = args.batch, args.context // P
@@ -133,8 +142,9 @@ def main(argv=None):
               jax.ShapeDtypeStruct((b,), jnp.int32))
     smem_per_sm = 228 * 1024    # H100: 228 KB per SM, 227 KB per block
     report = {}
-    for spec in args.configs:
-        name, tuning = parse_variant(spec)
+    for name, tuning in variants:
+        # "auto" would take the CUDA attention on a Hopper GPU: the Triton kernels are read here.
+        tuning = dataclasses.replace(tuning, attend="pallas")
 
         def fn(q, k, v, c, t, l, bu, tuning=tuning):
             return sparse_decode_pallas(q, k, v, t, l, bu, centroids=c, page_size=P,

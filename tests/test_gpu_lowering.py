@@ -5,7 +5,9 @@ machine. Where the triton package is installed, the lowered kernels also go thro
 compiler and its bundled ptxas for sm_90 (no GPU needed), which report registers and spills.
 What only a GPU shows (speed, the driver's load) still needs the GPU lane (scripts/test_gpu.sh).
 The interpret-mode tests check what the kernels compute; these check that the GPU can be handed
-them."""
+them. The sparse step's attention is pinned to the Pallas kernel (``attend="pallas"``): on a
+Hopper GPU "auto" takes the CUDA one, which is not Triton (tests/test_sparse_attend_cuda.py
+lowers that call), and these tests must say the same on every host."""
 
 from __future__ import annotations
 
@@ -53,9 +55,11 @@ def decode_case(*, b=2, hq=8, hkv=2, d=128, p=16, pages=60, m=24, dtype=jnp.bflo
 
 
 @pytest.mark.parametrize("tuning,dtype,hq", [
-    (GpuDecodeTuning(), jnp.bfloat16, 8),
-    (GpuDecodeTuning(block_pages=8, splits=2, attend_stages=2, attend_warps=4), jnp.float16, 8),
-    (GpuDecodeTuning(score_chunk=128, select_warps=8), jnp.bfloat16, 10)])   # group of 5
+    (GpuDecodeTuning(attend="pallas"), jnp.bfloat16, 8),
+    (GpuDecodeTuning(block_pages=8, splits=2, attend_stages=2, attend_warps=4, attend="pallas"),
+     jnp.float16, 8),
+    (GpuDecodeTuning(score_chunk=128, select_warps=8, attend="pallas"), jnp.bfloat16,
+     10)])   # a group of 5
 def test_sparse_decode_lowers_for_h100(tuning, dtype, hq):
     c = decode_case(dtype=dtype, hq=hq)
 
@@ -75,7 +79,8 @@ def test_quest_lowers_for_h100(hq):
 
     def step(q, k, v, kmin, kmax, table, lengths, budget):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
-                                    scorer="quest", summaries=(kmin, kmax), max_budget_pages=8)
+                                    scorer="quest", summaries=(kmin, kmax), max_budget_pages=8,
+                                    tuning=GpuDecodeTuning(attend="pallas"))
 
     assert triton_kernels(step, c["q"], c["k"], c["v"], c["cent"], c["cent"],
                           *list(c.values())[4:]) == [
@@ -326,7 +331,7 @@ def test_sparse_decode_compiles_for_hopper_without_spills(tmp_path, monkeypatch,
     def step(q, k, v, cent, table, lengths, budget):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
                                     centroids=cent, max_budget_pages=128,
-                                    tuning=GpuDecodeTuning(balanced=balanced))
+                                    tuning=GpuDecodeTuning(balanced=balanced, attend="pallas"))
 
     report = ptxas_report(step, *shapes, tmp_path=tmp_path, monkeypatch=monkeypatch)
     attend = (["sparse_decode_attend"] if balanced is False else
@@ -345,7 +350,7 @@ def test_quest_scoring_compiles_for_hopper_without_spills(tmp_path, monkeypatch)
     def step(q, k, v, kmin, kmax, table, lengths, budget):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
                                     scorer="quest", summaries=(kmin, kmax),
-                                    max_budget_pages=128)
+                                    max_budget_pages=128, tuning=GpuDecodeTuning(attend="pallas"))
 
     report = ptxas_report(step, q, k, v, cent, cent, *rest, tmp_path=tmp_path,
                           monkeypatch=monkeypatch)
@@ -426,7 +431,7 @@ def test_balanced_attention_compiles_for_hopper_without_spills(tmp_path, monkeyp
     def step(q, k, v, cent, table, lengths, budget):
         return sparse_decode_pallas(q, k, v, table, lengths, budget, page_size=16,
                                     centroids=cent, max_budget_pages=128,
-                                    tuning=GpuDecodeTuning(balanced=True))
+                                    tuning=GpuDecodeTuning(balanced=True, attend="pallas"))
 
     report = ptxas_report(step, *issue5_shapes(b=19), tmp_path=tmp_path,
                           monkeypatch=monkeypatch)

@@ -35,3 +35,15 @@ def test_report_of_the_sparse_step(tmp_path):
     select = kernels["kernel_b4_sparse_decode_select"]["sass"]
     assert select["BAR"] > kernels["kernel_b4_sparse_decode_score"]["sass"]["BAR"]
     assert kernels["kernel_b4_sparse_decode_attend_balanced"]["sass"]["ATOMG"] >= 1
+
+
+def test_a_cuda_attention_variant_is_refused_in_one_line(tmp_path, capsys):
+    spec = importlib.util.spec_from_file_location("inspect_kernels",
+                                                  REPO / "scripts" / "inspect_kernels.py")
+    inspect_kernels = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(inspect_kernels)
+    with pytest.raises(SystemExit) as e:
+        inspect_kernels.main(["--out", str(tmp_path / "k"), "--configs", "b4", "b4p0"])
+    assert e.value.code == 2
+    assert "--configs b4p0: the CUDA attention is nvcc's" in capsys.readouterr().err
+    assert not (tmp_path / "k").exists()
