@@ -15,7 +15,8 @@ pool and decode copy of the weights are freed when it returns), so the peak per 
     weights + optimizer + reference_weights + max(grads + activations, rollout_weights + kv_pages)
 
 and it must stay under the chip's memory less :data:`MARGIN` (XLA's workspace, fragmentation,
-and the activation figure being a model).
+and the activation figure being a model). A run checks the same count against its devices'
+allocator when it starts (:func:`check_device_memory`).
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
+import warnings
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -160,6 +164,14 @@ class DryRun:
         return max(self.update_peak, self.rollout_peak)
 
     @property
+    def floor(self) -> int:
+        """The peak without the activations, the one part modelled rather than laid out: what
+        the run holds at least (measured 1-1.5% under the whole count on GPUs)."""
+        m = self.memory
+        return (m.weights + m.optimizer + self.reference_weights
+                + max(m.grads, self.rollout_weights + m.kv_pages))
+
+    @property
     def limit(self) -> int | None:
         return None if self.chip is None else int(self.chip.memory * (1 - MARGIN))
 
@@ -186,14 +198,16 @@ class DryRun:
             f"part: {name} {parts[name] / GIB:.1f} GiB")
 
 
-def dry_run(run: RunFile, *, devices: int | None = None, chip: str | None = None) -> DryRun:
+def dry_run(run: RunFile, *, devices: int | None = None,
+            chip: str | Chip | None = None) -> DryRun:
     """The memory per device of ``run`` on ``devices`` devices (default the target's, else the
-    mesh's fixed size, else 1) of ``chip`` (default the target's; None: no verdict). Raises a
-    one-line ConfigError for a config the mesh or the model cannot run."""
+    mesh's fixed size, else 1) of ``chip`` (a key of :data:`CHIPS` or a :class:`Chip`; default
+    the target's; None: no verdict). Raises a one-line ConfigError for a config the mesh or the
+    model cannot run."""
     config, target = run.config, run.target
-    if chip is not None and chip not in CHIPS:
+    if isinstance(chip, str) and chip not in CHIPS:
         raise unknown_name("--chip", chip, CHIPS)
-    chip_spec = CHIPS.get(chip or target.chip)
+    chip_spec = chip if isinstance(chip, Chip) else CHIPS.get(chip or target.chip)
     fixed = [getattr(run.mesh, a) for a in ("data", "fsdp", "tensor")]
     n = devices or target.devices or (math.prod(fixed) if -1 not in fixed else 1)
     try:
@@ -308,3 +322,42 @@ def format_report(r: DryRun) -> str:
         lines.append(row(f"limit: {r.chip.name} less {MARGIN:.0%}", r.limit / GIB)
                      + f"  {verdict}")
     return "\n".join(lines)
+
+
+def check_device_memory(config, local_devices: Sequence, devices: int, *,
+                        engine: bool = True) -> None:
+    """A run's memory against the allocator of this process's first device (``local_devices``
+    of ``devices`` in all), before any weight loads: ConfigError, one line, when the dry run's
+    :attr:`DryRun.floor` exceeds the allocator's limit (the run would run out of memory minutes
+    later, in its first step); a warning when only the whole count does. Nothing where the
+    device reports no limit (CPU). Counted as floors: prompt files as one-token prompts (their
+    lengths are read later), refill's pool as empty (it sizes its own), and without ``engine``
+    (a rollout function of the caller's) no decode copy or pages."""
+    device = local_devices[0]
+    stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+    if not stats or "bytes_limit" not in stats:
+        return
+    limit = int(stats["bytes_limit"])
+    known = config.data.task in ("needle", "reverse")
+    chip = Chip(device.device_kind, limit, device.platform, host_devices=len(local_devices))
+    try:
+        r = dry_run(RunFile(config, Target(max_prompt_tokens=None if known else 1),
+                            config.mesh or MeshConfig()), devices=devices, chip=chip)
+    except ConfigError:
+        return      # not a question of memory: the trainer's own checks say what is wrong
+    if not engine or config.rollout.refill_slots is not None:
+        r = dataclasses.replace(r, memory=dataclasses.replace(r.memory, kv_pages=0),
+                                rollout_weights=r.rollout_weights if engine else 0)
+    fraction = os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    allocator = (f"{device.device_kind}'s allocator gives {limit / GIB:.1f} GiB "
+                 + (f"(XLA_PYTHON_CLIENT_MEM_FRACTION={fraction})" if fraction else
+                    "(XLA_PYTHON_CLIENT_MEM_FRACTION unset: JAX's default, 75% on GPUs)"))
+    if r.floor > limit:
+        raise ConfigError(
+            f"memory: the run holds at least {r.floor / GIB:.1f} GiB a device (weights, moments "
+            f"and the larger of the gradients and the rollout's decode copy and pages; `sparrow "
+            f"train --dry-run` counts each) but {allocator}: give JAX more (`sparrow train` "
+            f"sets 0.95 unless told), or the run more devices or fewer rollout rows")
+    if r.peak > limit:
+        warnings.warn(f"memory: the dry run counts {r.peak / GIB:.1f} GiB a device at the peak "
+                      f"and {allocator}: the run may run out of memory", stacklevel=2)

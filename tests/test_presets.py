@@ -176,3 +176,111 @@ def test_math_recipe_configs_pass_the_dry_run(name, capsys):
     assert c.schedule == {"paper": name.removesuffix("-polaris.yaml")}
     assert set(c.data.eval_sets) == {"aime24", "aime25", "aime26", "amc", "math500", "gsm8k"}
     assert math_options(c.reward_options).after_think is False
+
+
+# The start of a run (dry_run.check_device_memory): the run's count against the allocator's
+# limit, before weights load. Reference: Qwen3-14B's GRPO step on two H200s, measured with the
+# allocator at 85% of the memory (119.3 GiB): 111.9 GiB in the rollout, 118.5 in the update
+# (BENCHMARKS.md, "Several GPUs on one host", run 12).
+PROBE_14B = {"mesh": {"data": 1, "fsdp": -1, "tensor": 1},
+             "model": {"preset": "qwen3-14b", "dtype": "bfloat16"},
+             "data": {"task": "needle", "prompts_per_step": 2,
+                      "needle": {"min_prompt_len": 256, "max_prompt_len": 256}},
+             "rollout": {"samples_per_prompt": 4, "max_new_tokens": 256, "temperature": 1.0,
+                         "eos_ids": []},
+             "schedule": {"paper": "qwen3-14b"}, "update": {"micro_batch_size": 8}}
+
+
+def h200(limit_gib: float):
+    from types import SimpleNamespace
+
+    return SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
+                           memory_stats=lambda: {"bytes_limit": int(limit_gib * GIB)})
+
+
+def test_a_run_too_big_for_the_allocator_is_refused_before_weights_load(monkeypatch):
+    from sparrow_jax.dry_run import check_device_memory
+
+    config = run_file_from_dict(dict(PROBE_14B, run_dir="/tmp/unused")).config
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION", raising=False)
+    # JAX's default 75% of an H200 (105.3 GiB): below the rollout's 111.9 measured; refused.
+    with pytest.raises(ConfigError) as e:
+        check_device_memory(config, [h200(105.3)] * 2, 2)
+    assert str(e.value).count("\n") == 0
+    assert str(e.value).startswith("memory: the run holds at least 110.3 GiB a device")
+    assert ("NVIDIA H200's allocator gives 105.3 GiB (XLA_PYTHON_CLIENT_MEM_FRACTION unset: "
+            "JAX's default, 75% on GPUs)") in str(e.value)
+    # 85% (119.3 GiB), where the run was measured: passes, and the count (117.2) fits too.
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        check_device_memory(config, [h200(119.3)] * 2, 2)
+    # Between the floor and the whole count: it runs, with a warning.
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.8")
+    with pytest.warns(UserWarning, match=r"^memory: the dry run counts 117\.2 GiB a device .*"
+                                         r"\(XLA_PYTHON_CLIENT_MEM_FRACTION=0\.8\)"):
+        check_device_memory(config, [h200(112.0)] * 2, 2)
+    # Four devices split the weights and moments: the same 105.3 GiB holds it.
+    check_device_memory(config, [h200(105.3)] * 4, 4)
+    # A device that reports no limit (CPU) is not checked.
+    import jax
+    check_device_memory(config, jax.devices("cpu"), 2)
+
+
+def test_the_floor_leaves_out_what_the_engine_does_not_hold():
+    """Without the engine (a rollout function of the caller's) the floor is the update's
+    weights, moments and gradients; with refill, whose pool is its own, no KV pages."""
+    from sparrow_jax.dry_run import check_device_memory
+
+    config = run_file_from_dict(dict(PROBE_14B, run_dir="/tmp/unused")).config
+    r = dry_run(run_file_from_dict(dict(PROBE_14B, run_dir="/tmp/unused")), devices=2)
+    m = r.memory
+    update_floor = (m.weights + m.optimizer + m.grads) / GIB
+    with_pages = (m.weights + m.optimizer + r.rollout_weights + m.kv_pages) / GIB
+    assert with_pages > update_floor        # the rollout's floor is the larger here
+    just_under = h200(update_floor - 0.01)
+    with pytest.raises(ConfigError):
+        check_device_memory(config, [just_under] * 2, 2, engine=False)
+    with pytest.warns(UserWarning):
+        check_device_memory(config, [h200(update_floor + 0.01)] * 2, 2, engine=False)
+        with pytest.raises(ConfigError):     # the engine's decode copy and pages on top
+            check_device_memory(config, [h200(update_floor + 0.01)] * 2, 2)
+    refill = dict(PROBE_14B, run_dir="/tmp/unused",
+                  rollout=dict(PROBE_14B["rollout"], refill_slots=8))
+    no_pages = (m.weights + m.optimizer + r.rollout_weights) / GIB
+    with pytest.warns(UserWarning):
+        check_device_memory(run_file_from_dict(refill).config,
+                            [h200(max(no_pages, update_floor) + 0.01)] * 2, 2)
+
+
+def test_the_trainer_checks_memory_before_loading_weights(monkeypatch, tmp_path):
+    import jax
+
+    import sparrow_jax.rl.trainer as trainer_mod
+
+    config = run_file_from_dict(dict(PROBE_14B, run_dir=str(tmp_path / "run"))).config
+    monkeypatch.setattr(jax, "local_devices", lambda: [h200(100.0)] * 2)
+    monkeypatch.setattr(jax, "device_count", lambda: 2)
+    monkeypatch.setattr(trainer_mod, "_mesh", lambda config, processes: None)
+    monkeypatch.setattr(trainer_mod, "load_policy", lambda *a: pytest.fail("weights loaded"))
+    with pytest.raises(ConfigError, match="^memory: the run holds at least 110.3 GiB"):
+        trainer_mod.Trainer(config)
+
+
+def test_sparrow_train_gives_jax_the_memory_unless_told(monkeypatch, tmp_path):
+    import os
+    from types import SimpleNamespace
+
+    import sparrow_jax.rl.trainer as trainer_mod
+
+    seen = []
+    monkeypatch.setattr(trainer_mod, "train", lambda config, **kw: seen.append(
+        os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION")) or SimpleNamespace(history=[]))
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(dict(PROBE_14B, run_dir=str(tmp_path / "run"))))
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")    # restored after the test
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert main(["train", "--config", str(path)]) == 0
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    assert main(["train", "--config", str(path)]) == 0
+    assert seen == ["0.95", "0.6"]

@@ -54,6 +54,7 @@ from flax import nnx
 
 from sparrow_jax import distributed, sharding
 from sparrow_jax.config import ConfigError, to_dict
+from sparrow_jax.dry_run import check_device_memory
 from sparrow_jax.data import PromptIterator, build_eval_sets, build_prompt_sets, evaluate_mean_at_k
 from sparrow_jax.rl import closed_loop
 from sparrow_jax.rl.advantages import group_advantages
@@ -199,6 +200,8 @@ class Trainer:
             if tail is not None and tail % shards:
                 raise ConfigError(f"rollout.refill_tail_slots={tail} does not split over the "
                                   f"{shards} row shards (data x fsdp) rollouts sample on")
+        check_device_memory(config, jax.local_devices(), jax.device_count(),
+                            engine=rollout_fn is None)
         self.model, self.model_config = load_policy(config.model, self.mesh)
         # The KL term's reference: the initial weights, rebuilt from config.model on resume.
         self.reference = (reference_policy(self.model) if config.update.loss.kl_coef
