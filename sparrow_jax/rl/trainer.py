@@ -54,8 +54,8 @@ from flax import nnx
 
 from sparrow_jax import distributed, sharding
 from sparrow_jax.config import ConfigError, to_dict
-from sparrow_jax.dry_run import check_device_memory
 from sparrow_jax.data import PromptIterator, build_eval_sets, build_prompt_sets, evaluate_mean_at_k
+from sparrow_jax.dry_run import check_device_memory
 from sparrow_jax.rl import closed_loop
 from sparrow_jax.rl.advantages import group_advantages
 from sparrow_jax.rl.config import ModelSpec, TrainConfig, build_schedule
