@@ -174,3 +174,25 @@ def test_every_subcommand_has_help_and_config(capsys, command):
     with pytest.raises(SystemExit) as e:
         main([command, "--help"])
     assert e.value.code == 0 and "--config" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("argv", [
+    ["generate", "--preset", "tiny"],
+    ["calibrate", "--config", "/no/such/cal.yaml"],
+    ["bench", "--context", "250"],
+    ["train", "--config", "/no/such/run.yaml"],
+])
+def test_device_commands_give_jax_the_memory_unless_told(monkeypatch, capsys, argv):
+    """JAX's GPU allocator stops at 75% unless told; each command that runs the model tells it
+    95% before any backend starts (here: before its first check of the options fails), and a
+    value in the environment stays."""
+    import os
+
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "")    # restored after the test
+    monkeypatch.delenv("XLA_PYTHON_CLIENT_MEM_FRACTION")
+    assert main(argv) == 2
+    assert os.environ.get("XLA_PYTHON_CLIENT_MEM_FRACTION") == "0.95"
+    monkeypatch.setenv("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.6")
+    assert main(argv) == 2
+    assert os.environ["XLA_PYTHON_CLIENT_MEM_FRACTION"] == "0.6"
+    assert capsys.readouterr().err.count("error:") == 2

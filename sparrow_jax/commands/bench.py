@@ -20,8 +20,9 @@ The developer benchmarks with every variant, breakdown and trace are ``scripts/b
 from __future__ import annotations
 
 import argparse
-import os
 from pathlib import Path
+
+from sparrow_jax.commands import give_jax_the_device_memory
 
 WHAT = ("decode", "rollout")
 # The decode measure's peak memory over its largest case's K and V pages: on a CPU the XLA
@@ -229,11 +230,7 @@ def _rollout(args, schedule, mesh) -> list[dict]:
 
 
 def run(args: argparse.Namespace) -> int:
-    # A benchmark has the device to itself: JAX's GPU allocator takes 75% of the memory unless
-    # told more, short of the default rollout (16 rows at 32K of Qwen3-1.7B, about 65 GiB on an
-    # 80 GB card). Too late where this process has already started a backend; the memory
-    # checks read the allocator's actual limit either way.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    give_jax_the_device_memory()
     import jax
 
     from sparrow_jax.benchmarking import read_ceiling, write_record

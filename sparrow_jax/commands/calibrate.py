@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import argparse
 
+from sparrow_jax.commands import give_jax_the_device_memory
+
 CONFIG_IS_RUN_CONFIG = True
 CONFIG_HELP = ("a CalibrateConfig as YAML (model or preset, prompts, n, max_new_tokens, "
                "budgets, bin_tokens, target, estimator, ...); required")
@@ -26,6 +28,7 @@ def run(args: argparse.Namespace) -> int:
 
     if args.config is None:
         raise CliError("sparrow calibrate needs --config CAL.yaml (a CalibrateConfig)")
+    give_jax_the_device_memory()
     from sparrow_jax.calibrate import calibrate, format_report, load_calibrate_config
 
     overrides = {"out_dir": args.out_dir} if args.out_dir is not None else {}

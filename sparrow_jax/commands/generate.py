@@ -13,6 +13,8 @@ import sys
 import time
 from pathlib import Path
 
+from sparrow_jax.commands import give_jax_the_device_memory
+
 
 def add_arguments(p: argparse.ArgumentParser) -> None:
     from sparrow_jax.cli import non_negative_float, positive_int
@@ -75,6 +77,7 @@ def load_schedule(spec: str, page_size: int):
 
 
 def run(args: argparse.Namespace) -> int:
+    give_jax_the_device_memory()
     import jax
     import jax.numpy as jnp
     import numpy as np

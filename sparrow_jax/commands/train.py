@@ -11,8 +11,9 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import os
 import sys
+
+from sparrow_jax.commands import give_jax_the_device_memory
 
 CONFIG_IS_RUN_CONFIG = True
 CONFIG_HELP = "the run's TrainConfig as YAML (e.g. configs/demo.yaml); required"
@@ -51,11 +52,7 @@ def run(args: argparse.Namespace) -> int:
     if args.devices is not None or args.chip is not None:
         raise CliError("--devices and --chip go with --dry-run")
 
-    # A run has the devices to itself: JAX's GPU allocator takes 75% of the memory unless told
-    # more, and the presets are sized to the chip less 10% (the dry run's margin). Too late
-    # where this process has already started a backend; the trainer checks the allocator's
-    # actual limit against the run's count either way.
-    os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.95")
+    give_jax_the_device_memory()
     from sparrow_jax.dry_run import load_run_file
     from sparrow_jax.rl.interrupt import TrainingInterrupted
     from sparrow_jax.rl.trainer import train
