@@ -15,7 +15,9 @@
 // stream-K (attend_kernel); warp w of a block takes the entries w, w + W, ... of its share.
 // The block's warps are merged in shared memory; a list shared by several blocks has each
 // write a partial (normalised output, log2-sum-exp) and the last of them to arrive
-// (`arrivals`, zero on entry and reset to zero by that block) merges the partials.
+// (`arrivals`, zero on entry and reset to zero by that block) merges the partials, unless the
+// list's parts are the blocks of one cluster, which merge through distributed shared memory.
+#include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
 
@@ -27,6 +29,7 @@
 
 #include "xla/ffi/api/ffi.h"
 
+namespace cg = cooperative_groups;
 namespace ffi = xla::ffi;
 
 namespace {
@@ -40,6 +43,10 @@ constexpr int MAX_PARTS = RING_BYTES / (4 * MAX_GROUP);   // a list's parts' wei
 // first pages' loads one after the other, and the warps' merge (~2 us where a block streams a
 // page in ~0.3 us: BENCHMARKS.md, kernel run AM).
 constexpr int LIST_UNITS = 8;
+// A cluster's partial results: each block's in its ring past what merge_warps uses.
+constexpr int MAX_CLUSTER = 8, CLUSTER_PART = 64 * 1024;
+static_assert(CLUSTER_PART >= WARPS * MAX_GROUP * (D + 2) * 4 &&   // merge_warps' scratch
+              CLUSTER_PART + (D + 1) * MAX_GROUP * 4 <= RING_BYTES);
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -283,6 +290,39 @@ __device__ __forceinline__ void arrive(int* counter, int n, const float* part_o,
   __syncthreads();   // s_last is read by every thread before the next list sets it
 }
 
+// A list whose n parts are the n blocks of this cluster: after a cluster barrier each block
+// reads every block's partial (`part`: normalised output [group, D], then log2-sum-exp
+// [group]) from its shared memory and writes its own slice of the output row. Replaces the
+// partials' round trips through global memory, the fence and the arrival counter, and the
+// last block's merge alone (at one row 2.2-2.9 us of the attention: kernel run AR).
+__device__ __forceinline__ void merge_cluster(float* part, int n, int group,
+                                              __nv_bfloat16* out_row) {
+  cg::cluster_group cluster = cg::this_cluster();
+  cluster.sync();   // every block's partial written and visible
+  const int size = group * D, per = (size + n - 1) / n;
+  const int lo = static_cast<int>(cluster.block_rank()) * per, hi = min(lo + per, size);
+  for (int idx = lo + threadIdx.x; idx < hi; idx += WARPS * 32) {
+    const int hh = idx / D;
+    float lse[MAX_CLUSTER], mm = -INFINITY;
+#pragma unroll
+    for (int r = 0; r < MAX_CLUSTER; ++r) {
+      lse[r] = r < n ? cluster.map_shared_rank(part, r)[size + hh] : -INFINITY;
+      mm = fmaxf(mm, lse[r]);
+    }
+    float acc = 0.f, den = 0.f;
+#pragma unroll
+    for (int r = 0; r < MAX_CLUSTER; ++r) {
+      if (r < n && lse[r] != -INFINITY) {
+        const float f = exp2f(lse[r] - mm);
+        acc += f * cluster.map_shared_rank(part, r)[idx];
+        den += f;
+      }
+    }
+    out_row[idx] = __float2bfloat16(den > 0.f ? acc / den : 0.f);
+  }
+  cluster.sync();   // no block leaves, or reuses its ring, while another reads its partial
+}
+
 // Entries [start, start + n) of list `list` into shared memory.
 __device__ __forceinline__ void stage(const int* lists, const int* slots, int list, int list_len,
                                       int start, int n, int* s_phys, int* s_slot) {
@@ -340,6 +380,8 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
 // -1: whichever the units say is faster (even, unless stream-K takes under 1/1.1 of its
 // time): stream-K where even parts leave SMs idle, e.g. 19 rows' 152 lists on 132 SMs, and
 // where the lists are ragged, e.g. one long row among rows of one page (kernel run AM).
+// `cluster` > 1: even splits launched as one block a part, a list's `splits` == `cluster`
+// parts the blocks of one cluster (merge_cluster).
 __global__ void __launch_bounds__(WARPS * 32)
     attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
                   const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
@@ -347,7 +389,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                   const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
                   float* part_o, float* part_lse, int* arrivals, int hkv, int group,
                   int64_t n_pages, int list_len, int n_lists, int splits, int balance, int cap,
-                  float scale_log2) {
+                  int cluster, float scale_log2) {
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ int s_last, s_warp[WARPS], s_most;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -418,6 +460,15 @@ __global__ void __launch_bounds__(WARPS * 32)
     if (n == 1) {
       merge_warps(a, smem, group, warp, lane,
                   [&](int idx, float val, float) { out_row[idx] = __float2bfloat16(val); });
+      return;
+    }
+    if (cluster > 1) {
+      float* own = reinterpret_cast<float*>(smem + CLUSTER_PART);
+      merge_warps(a, smem, group, warp, lane, [&](int idx, float val, float lse) {
+        own[idx] = val;
+        if (idx % D == 0) own[group * D + idx / D] = lse;
+      });
+      merge_cluster(own, n, group, out_row);
       return;
     }
     merge_warps(a, smem, group, warp, lane, [&](int idx, float val, float lse) {
@@ -519,14 +570,16 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
                   ffi::Result<ffi::AnyBuffer> out, ffi::Result<ffi::Buffer<ffi::S32>> arrivals,
                   ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                   ffi::Result<ffi::Buffer<ffi::F32>> part_lse, int64_t splits, int64_t programs,
-                  int64_t balance) {
+                  int64_t balance, int64_t cluster) {
   auto qd = q.dimensions(), kd = k.dimensions(), ld = phys.dimensions();
   if (q.element_type() != ffi::BF16 || k.element_type() != ffi::BF16 ||
       v.element_type() != ffi::BF16 || qd.size() != 3 || kd.size() != 4 || ld.size() != 3 ||
       qd[2] != D || kd[2] != P || kd[3] != D || kd[0] != ld[1] || qd[0] != ld[0] ||
       qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1 || splits > MAX_PARTS ||
       programs < 1 || programs > MAX_PARTS ||
-      balance < -1 || balance > 1) {
+      balance < -1 || balance > 1 ||
+      (cluster != 1 && (cluster > MAX_CLUSTER || cluster != splits || balance != 0 ||
+                        programs != ld[0] * ld[1] * splits))) {
     return ffi::Error::InvalidArgument("sparrow_sparse_attend: unsupported arguments");
   }
   const int hkv = static_cast<int>(kd[0]), group = static_cast<int>(qd[1] / kd[0]);
@@ -545,17 +598,28 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
         "sparrow_sparse_attend: " + std::to_string(lists) + " lists leave too little shared "
         "memory to stage their entries");
   }
-  attend_kernel<<<static_cast<unsigned>(programs), WARPS * 32, RING_BYTES + 8 * cap + 4 * lists,
-                  stream>>>(
-      reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(static_cast<unsigned>(programs));
+  launch.blockDim = dim3(WARPS * 32);
+  launch.dynamicSmemBytes = RING_BYTES + 8 * cap + 4 * lists;
+  launch.stream = stream;
+  launch.attrs = &attribute;
+  launch.numAttrs = 1;
+  const cudaError_t launched = cudaLaunchKernelEx(
+      &launch, attend_kernel, reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
       reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
       reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
       slots.typed_data(), counts.typed_data(), lengths.typed_data(),
       reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
       part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
       static_cast<int>(lists), static_cast<int>(splits), static_cast<int>(balance),
-      static_cast<int>(cap), 1.4426950408889634f / sqrtf(static_cast<float>(D)));
-  return Check(cudaGetLastError(), "sparrow_sparse_attend launch");
+      static_cast<int>(cap), static_cast<int>(cluster),
+      1.4426950408889634f / sqrtf(static_cast<float>(D)));
+  return Check(launched, "sparrow_sparse_attend launch");
 }
 
 }  // namespace
@@ -577,5 +641,6 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseAttend, Attend,
                                   .Ret<ffi::Buffer<ffi::F32>>()
                                   .Attr<int64_t>("splits")
                                   .Attr<int64_t>("programs")
-                                  .Attr<int64_t>("balance"),
+                                  .Attr<int64_t>("balance")
+                                  .Attr<int64_t>("cluster"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -38,6 +38,8 @@ PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 # the even splits: their weights fill the shared memory of the kernel's page ring).
 WARPS = 8
 MAX_PARTS = 4096
+# The most blocks of a cluster that every Hopper launch allows.
+MAX_CLUSTER = 8
 
 
 @functools.cache
@@ -74,7 +76,8 @@ def default_cuda_splits(lists: int, max_pages: int, sms: int) -> int:
 
 def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
                            splits: int | None = None, programs: int | None = None,
-                           balanced: bool | None = None, arrivals=None):
+                           balanced: bool | None = None, cluster: bool | None = None,
+                           arrivals=None):
     """q ``[B, Hq, D]``, pages ``[Hkv, N, P, D]``, phys and slots ``[B, Hkv, L]``, count
     ``[B, Hkv, 1]`` (the lists of
     :func:`pallas_kernels.sparse_decode_gpu.select_page_lists`), lengths ``[B]`` ->
@@ -87,7 +90,10 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     hand by a model of each way's time (the kernel's attend_kernel): stream-K where even
     parts leave the GPU idle (19 rows' 152 lists, two waves on 132 SMs, the second 20
     blocks) or the lists are ragged (one long row among rows of one page), else even
-    splits. ``arrivals``: zeros
+    splits. ``cluster``: with even splits of 2-8 parts a list, one block a part and each
+    list's parts one cluster of blocks, which merge their partial results through each
+    other's shared memory instead of global memory and a counter (None: wherever that
+    applies and the parts fit one wave, as at one row). ``arrivals``: zeros
     ``[B, Hkv, 1]`` int32 the call may use as its merge counters (the selection's, which
     saves a launch); None: made here. Arguments it does not take raise one line
     (:func:`unsupported_args`); where it cannot run (:func:`unavailable`) the call fails
@@ -109,6 +115,15 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
                          f"[1, {MAX_PARTS}], got {programs} and {splits}")
     if balanced is None and b == 1:
         balanced = False
+    clusters = balanced is False and 2 <= splits <= MAX_CLUSTER and lists * splits <= programs
+    if cluster and not clusters:
+        raise ValueError(f"attend_page_lists_cuda: cluster=True needs balanced=False and 2 to "
+                         f"{MAX_CLUSTER} splits on at least lists x splits programs, got "
+                         f"balanced={balanced}, splits={splits}, {lists} lists and {programs} "
+                         f"programs")
+    cluster = clusters if cluster is None else cluster
+    if cluster:
+        programs = lists * splits
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
     parts = max(programs + lists, lists * splits)
@@ -122,5 +137,6 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     out, *_ = call(q, k_pages, v_pages, phys.astype(jnp.int32), slots.astype(jnp.int32),
                    count.astype(jnp.int32), lengths.astype(jnp.int32), arrivals,
                    splits=np.int64(splits), programs=np.int64(programs),
-                   balance=np.int64({None: -1, False: 0, True: 1}[balanced]))
+                   balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
+                   cluster=np.int64(splits if cluster else 1))
     return out

@@ -72,6 +72,9 @@ def attention_np(q, k, v, phys, slots, counts, lengths):
 LAYOUTS = {   # how the blocks share the lists
     "even1": dict(balanced=False, splits=1), "even3": dict(balanced=False, splits=3),
     "even16": dict(balanced=False, splits=16),
+    # a list's 3 or 8 parts one cluster of blocks (the default where they fit), or not
+    "even8": dict(balanced=False, splits=8), "even3_global": dict(balanced=False, splits=3,
+                                                                   cluster=False),
     "even3_on5": dict(balanced=False, splits=3, programs=5),   # blocks take several parts
     "streamk1": dict(balanced=True, programs=1), "streamk5": dict(balanced=True, programs=5),
     "streamk64": dict(balanced=True, programs=64), "auto": {},
@@ -143,8 +146,10 @@ def test_repeated_calls_reset_their_counters():
     call on counters it was given, agree with the first."""
     rng = np.random.default_rng(3)
     args = lists_case(rng, b=2, hkv=2, group=4, counts=[[40, 30], [12, 7]])
-    call = jax.jit(attend_page_lists_cuda, static_argnames=("splits", "programs", "balanced"))
-    for how in (dict(splits=4, balanced=False), dict(programs=7, balanced=True)):
+    call = jax.jit(attend_page_lists_cuda,
+                   static_argnames=("splits", "programs", "balanced", "cluster"))
+    for how in (dict(splits=4, balanced=False, cluster=False), dict(programs=7, balanced=True),
+                dict(splits=4, balanced=False)):
         first = np.asarray(call(*args, **how).astype(jnp.float32))
         again = np.asarray(call(*args, **how).astype(jnp.float32))
         given = np.asarray(call(*args, **how, arrivals=jnp.zeros((2, 2, 1), jnp.int32)
@@ -276,10 +281,25 @@ def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
 @pytest.mark.parametrize("lengths, balance", [((300,), 0), ((300, 200), -1)])
 def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
     """On any host: one row's lists are all of one length, so the step asks the CUDA call for
-    even splits (balance 0: the kernel skips the counts' scan); two rows leave the choice to
-    the device (-1)."""
+    even splits (balance 0: the kernel skips the counts' scan), each list's parts one cluster
+    of blocks; two rows leave the choice to the device (-1), without clusters."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
     text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda"), lengths)
-    call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(.*balance = (-?\d+)", text)
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(.*balance = (-?\d+) : i64, "
+                     r"cluster = (\d+) : i64, programs = (\d+) : i64, splits = (\d+)", text)
     assert call and int(call.group(1)) == balance
+    cluster, programs, splits = map(int, call.group(2, 3, 4))
+    if balance == 0:
+        assert (cluster, programs) == (splits, 2 * splits) and splits > 1   # 2 KV heads' lists
+    else:
+        assert (cluster, programs) == (1, 132)
+
+
+def test_clusters_only_where_they_apply():
+    """``cluster=True`` needs even splits of 2-8 parts, all in one wave: else one line."""
+    args = lists_case(np.random.default_rng(0), b=2, hkv=2, group=4, counts=[[4, 4], [4, 4]])
+    for how in (dict(balanced=True, splits=4), dict(balanced=False, splits=9),
+                dict(balanced=False, splits=4, programs=15), dict(splits=1, balanced=False)):
+        with pytest.raises(ValueError, match="^attend_page_lists_cuda: cluster=True needs"):
+            attend_page_lists_cuda(*args, cluster=True, **how)
