@@ -380,8 +380,10 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
 // -1: whichever the units say is faster (even, unless stream-K takes under 1/1.1 of its
 // time): stream-K where even parts leave SMs idle, e.g. 19 rows' 152 lists on 132 SMs, and
 // where the lists are ragged, e.g. one long row among rows of one page (kernel run AM).
-// `cluster` > 1: even splits launched as one block a part, a list's `splits` == `cluster`
-// parts the blocks of one cluster (merge_cluster).
+// kCluster: even splits launched as one block a part, each list's `splits` parts one cluster
+// of blocks (merge_cluster); its own instantiation, so that the other launches run the code
+// they ran before it.
+template <bool kCluster>
 __global__ void __launch_bounds__(WARPS * 32)
     attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
                   const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
@@ -389,7 +391,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                   const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
                   float* part_o, float* part_lse, int* arrivals, int hkv, int group,
                   int64_t n_pages, int list_len, int n_lists, int splits, int balance, int cap,
-                  int cluster, float scale_log2) {
+                  float scale_log2) {
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ int s_last, s_warp[WARPS], s_most;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -462,7 +464,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                   [&](int idx, float val, float) { out_row[idx] = __float2bfloat16(val); });
       return;
     }
-    if (cluster > 1) {
+    if constexpr (kCluster) {
       float* own = reinterpret_cast<float*>(smem + CLUSTER_PART);
       merge_warps(a, smem, group, warp, lane, [&](int idx, float val, float lse) {
         own[idx] = val;
@@ -548,12 +550,18 @@ ffi::ErrorOr<int> RaiseSharedLimit() {
     cudaFuncAttributes attributes;
     result[device] = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                             device);
-    if (result[device] == cudaSuccess) result[device] = cudaFuncGetAttributes(&attributes,
-                                                                              attend_kernel);
+    if (result[device] == cudaSuccess) {
+      result[device] = cudaFuncGetAttributes(&attributes, attend_kernel<false>);
+    }
     if (result[device] != cudaSuccess) return;
     dynamic[device] = limit - static_cast<int>(attributes.sharedSizeBytes);
-    result[device] = cudaFuncSetAttribute(
-        attend_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic[device]);
+    for (const void* kernel : {reinterpret_cast<const void*>(attend_kernel<false>),
+                               reinterpret_cast<const void*>(attend_kernel<true>)}) {
+      if (result[device] == cudaSuccess) {
+        result[device] = cudaFuncSetAttribute(
+            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic[device]);
+      }
+    }
   });
   if (auto e = Check(result[device], "raising the attention's shared memory limit");
       e.failure()) {
@@ -598,6 +606,24 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
         "sparrow_sparse_attend: " + std::to_string(lists) + " lists leave too little shared "
         "memory to stage their entries");
   }
+  const unsigned smem = static_cast<unsigned>(RING_BYTES + 8 * cap + 4 * lists);
+  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(D));
+  auto args = [&](auto launch) {
+    return launch(reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+                  reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
+                  reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
+                  slots.typed_data(), counts.typed_data(), lengths.typed_data(),
+                  reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
+                  part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
+                  static_cast<int>(lists), static_cast<int>(splits),
+                  static_cast<int>(balance), static_cast<int>(cap), scale_log2);
+  };
+  if (cluster == 1) {
+    args([&](auto... a) {
+      attend_kernel<false><<<static_cast<unsigned>(programs), WARPS * 32, smem, stream>>>(a...);
+    });
+    return Check(cudaGetLastError(), "sparrow_sparse_attend launch");
+  }
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
@@ -605,20 +631,12 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(programs));
   launch.blockDim = dim3(WARPS * 32);
-  launch.dynamicSmemBytes = RING_BYTES + 8 * cap + 4 * lists;
+  launch.dynamicSmemBytes = smem;
   launch.stream = stream;
   launch.attrs = &attribute;
   launch.numAttrs = 1;
-  const cudaError_t launched = cudaLaunchKernelEx(
-      &launch, attend_kernel, reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
-      reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
-      reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
-      slots.typed_data(), counts.typed_data(), lengths.typed_data(),
-      reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
-      part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
-      static_cast<int>(lists), static_cast<int>(splits), static_cast<int>(balance),
-      static_cast<int>(cap), static_cast<int>(cluster),
-      1.4426950408889634f / sqrtf(static_cast<float>(D)));
+  const cudaError_t launched =
+      args([&](auto... a) { return cudaLaunchKernelEx(&launch, attend_kernel<true>, a...); });
   return Check(launched, "sparrow_sparse_attend launch");
 }
 
