@@ -606,24 +606,7 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
         "sparrow_sparse_attend: " + std::to_string(lists) + " lists leave too little shared "
         "memory to stage their entries");
   }
-  const unsigned smem = static_cast<unsigned>(RING_BYTES + 8 * cap + 4 * lists);
-  const float scale_log2 = 1.4426950408889634f / sqrtf(static_cast<float>(D));
-  auto args = [&](auto launch) {
-    return launch(reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
-                  reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
-                  reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
-                  slots.typed_data(), counts.typed_data(), lengths.typed_data(),
-                  reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
-                  part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
-                  static_cast<int>(lists), static_cast<int>(splits),
-                  static_cast<int>(balance), static_cast<int>(cap), scale_log2);
-  };
-  if (cluster == 1) {
-    args([&](auto... a) {
-      attend_kernel<false><<<static_cast<unsigned>(programs), WARPS * 32, smem, stream>>>(a...);
-    });
-    return Check(cudaGetLastError(), "sparrow_sparse_attend launch");
-  }
+  // One row's clusters (kCluster) need the launch attribute; without it this is a plain launch.
   cudaLaunchAttribute attribute;
   attribute.id = cudaLaunchAttributeClusterDimension;
   attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
@@ -631,12 +614,20 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(programs));
   launch.blockDim = dim3(WARPS * 32);
-  launch.dynamicSmemBytes = smem;
+  launch.dynamicSmemBytes = RING_BYTES + 8 * cap + 4 * lists;
   launch.stream = stream;
   launch.attrs = &attribute;
-  launch.numAttrs = 1;
-  const cudaError_t launched =
-      args([&](auto... a) { return cudaLaunchKernelEx(&launch, attend_kernel<true>, a...); });
+  launch.numAttrs = cluster > 1 ? 1 : 0;
+  const cudaError_t launched = cudaLaunchKernelEx(
+      &launch, cluster > 1 ? attend_kernel<true> : attend_kernel<false>,
+      reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
+      slots.typed_data(), counts.typed_data(), lengths.typed_data(),
+      reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
+      part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
+      static_cast<int>(lists), static_cast<int>(splits), static_cast<int>(balance),
+      static_cast<int>(cap), 1.4426950408889634f / sqrtf(static_cast<float>(D)));
   return Check(launched, "sparrow_sparse_attend launch");
 }
 
