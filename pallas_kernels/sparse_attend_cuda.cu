@@ -17,6 +17,10 @@
 // write a partial (normalised output, log2-sum-exp) and the last of them to arrive
 // (`arrivals`, zero on entry and reset to zero by that block) merges the partials, unless the
 // list's parts are the blocks of one cluster, which merge through distributed shared memory.
+// A second handler takes the scoring's keys instead of the lists: each block then chooses its
+// list's pages itself (select_part) before it streams them, where every block holds one part of
+// one list (one row, or up to a wave of lists), which saves the selection kernel's launch and
+// its lists' round trip through global memory.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -366,6 +370,156 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
   __syncthreads();
 }
 
+// ---- The selection inside the attention (the second handler) ----
+
+// What the block needs to choose a list's pages: the scoring's order keys [Hkv, B, width]
+// (INT_MIN where a page may not be chosen), the page table [B, width], the budgets [B].
+struct Choice {
+  const int* keys;
+  const int* table;
+  const int* budgets;
+  int batch, width, page_size, max_pages;
+};
+
+constexpr int RESERVED = 3, BINS = 256, THREADS = WARPS * 32;
+// The scratch the choice takes from the ring (free until the pages stream): the row's keys
+// and pages (padded: slot s at s + s / 32, so that a thread's run of slots and its
+// neighbours' fall in different banks), the histogram, the warps' sums and the search's state.
+__host__ __device__ constexpr int padded(int s) { return s + (s >> 5); }
+constexpr int MAX_CHOICE_WIDTH = 8192;
+static_assert(8 * padded(MAX_CHOICE_WIDTH) + 4 * (BINS + WARPS + 2) <= RING_BYTES);
+
+// Inclusive prefix sums over the block of one value a thread, and the block's total.
+__device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = value;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  int before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    before += w < warp ? warp_sums[w] : 0;
+    all += warp_sums[w];
+  }
+  *total = all;
+  __syncthreads();   // warp_sums may be written again by the next call
+  return before + x;
+}
+
+// List i's page list chosen as the selection kernel chooses it (docs/design.md, section 3;
+// pallas_kernels/sparse_decode_gpu.py, _select_kernel): a row of n pages with budget K
+// (clipped to [3, max_pages]) takes every page when n <= K, else page 0, its last two and the
+// K - 3 eligible pages of largest key, ties to the lower page. The K - 3-th largest key is
+// found a byte at a time (four rounds of a 256-bin histogram), the ties and the compaction in
+// page order share one block scan. Entries [from, to) of the list, part `split` of `splits`
+// even parts, are staged at s_phys / s_slot; returns from and to.
+__device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int length,
+                                            int split, int splits, uint8_t* scratch,
+                                            int* s_phys, int* s_slot) {
+  const int b = i / hkv, h = i % hkv;
+  const int n = min((length + c.page_size - 1) / c.page_size, c.width);
+  const int budget = min(max(c.budgets[b], RESERVED), c.max_pages);
+  const int k = budget - RESERVED;
+  const bool take_all = n <= budget, search = !take_all && k > 0;
+  unsigned* key = reinterpret_cast<unsigned*>(scratch);
+  int* page = reinterpret_cast<int*>(key + padded(c.width));
+  int* hist = page + padded(c.width);
+  int* warp_sums = hist + BINS;
+  int* state = warp_sums + WARPS;   // the threshold's bytes so far, the keys still to take
+  const int* key_row = c.keys + (static_cast<int64_t>(h) * c.batch + b) * c.width;
+  const int* table_row = c.table + static_cast<int64_t>(b) * c.width;
+  for (int s = threadIdx.x; s < n; s += THREADS) {
+    if (search) key[padded(s)] = static_cast<unsigned>(key_row[s]) ^ 0x80000000u;
+    page[padded(s)] = table_row[s];
+  }
+  __syncthreads();
+  // Thread t holds slots [lo, hi): block-wide prefix sums then follow page order.
+  const int per = (n + THREADS - 1) / THREADS;
+  const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
+  unsigned prefix = 0u;
+  int need = 0;
+  if (search) {
+    int rest = k;   // keys still to take at or below the threshold's bytes found so far
+#pragma unroll 1
+    for (int shift = 24; shift >= 0; shift -= 8) {
+      for (int j = threadIdx.x; j < BINS; j += THREADS) hist[j] = 0;
+      __syncthreads();
+      const unsigned high = shift == 24 ? 0u : ~0u << (shift + 8);
+      // Eligible slots only (1 <= s < n - 2): k is below their count, so the rest-th largest
+      // is always among them.
+      for (int s = max(lo, 1); s < min(hi, n - 2); ++s) {
+        const unsigned u = key[padded(s)];
+        if ((u & high) == prefix) atomicAdd(&hist[(u >> shift) & (BINS - 1)], 1);
+      }
+      __syncthreads();
+      if (threadIdx.x < 32) {   // the bin holding the rest-th largest, from the top bin down
+        const int lane = threadIdx.x;
+        int cnt[BINS / 32], sum = 0;   // lane l holds bins 255 - 8 l .. 248 - 8 l
+#pragma unroll
+        for (int j = 0; j < BINS / 32; ++j) sum += (cnt[j] = hist[BINS - 1 - (lane * 8 + j)]);
+        int incl = sum;
+#pragma unroll
+        for (int d = 1; d < 32; d <<= 1) {
+          const int y = __shfl_up_sync(0xffffffffu, incl, d);
+          if (lane >= d) incl += y;
+        }
+        int above = incl - sum;   // keys in the bins above this lane's
+        if (above < rest && rest <= incl) {   // one lane: this one's bins hold it
+          bool found = false;
+#pragma unroll
+          for (int j = 0; j < BINS / 32; ++j) {
+            if (!found && above + cnt[j] >= rest) {
+              found = true;
+              state[0] = static_cast<int>(
+                  prefix | (static_cast<unsigned>(BINS - 1 - (lane * 8 + j)) << shift));
+              state[1] = rest - above;
+            } else if (!found) {
+              above += cnt[j];
+            }
+          }
+        }
+      }
+      __syncthreads();
+      prefix = static_cast<unsigned>(state[0]);
+      rest = state[1];
+    }
+    need = rest;
+  }
+  auto reserved = [&](int s) { return s == 0 || s >= n - 2; };
+  int sure = 0, ties = 0;
+  for (int s = lo; s < hi; ++s) {
+    const unsigned u = search ? key[padded(s)] : 0u;
+    if (take_all || reserved(s) || (search && u > prefix)) ++sure;
+    else if (search && u == prefix) ++ties;
+  }
+  int total_sure, total_ties;
+  const int sure_before = block_scan(sure, warp_sums, &total_sure) - sure;
+  const int ties_before = block_scan(ties, warp_sums, &total_ties) - ties;
+  const int count = total_sure + min(total_ties, need);
+  const int each = (count + splits - 1) / splits;
+  const int from = min(split * each, count), to = min(from + each, count);
+  int rank = sure_before + min(ties_before, need), tie = ties_before;
+  for (int s = lo; s < hi; ++s) {
+    const unsigned u = search ? key[padded(s)] : 0u;
+    bool chosen = take_all || reserved(s) || (search && u > prefix);
+    if (!chosen && search && u == prefix) chosen = tie++ < need;
+    if (chosen) {
+      if (rank >= from && rank < to) {
+        s_phys[rank - from] = page[padded(s)];
+        s_slot[rank - from] = s;
+      }
+      ++rank;
+    }
+  }
+  __syncthreads();   // the list staged, and the ring free for the pages
+  return make_int2(from, to);
+}
+
 // How the blocks share the lists. Even: list i's `splits` parts of ceil(pages / splits)
 // entries are blocks of work lists * splits in all, taken by the gridDim.x blocks in turn
 // (fewer parts than blocks: one each by every stride-th block), each part merged with its
@@ -382,8 +536,9 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
 // where the lists are ragged, e.g. one long row among rows of one page (kernel run AM).
 // kCluster: even splits launched as one block a part, each list's `splits` parts one cluster
 // of blocks (merge_cluster); its own instantiation, so that the other launches run the code
-// they ran before it.
-template <bool kCluster>
+// they ran before it. kSelect: even splits whose lists each block chooses itself from
+// `choice` (select_part; lists, slots and counts unused).
+template <bool kCluster, bool kSelect>
 __global__ void __launch_bounds__(WARPS * 32)
     attend_kernel(const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ kpages,
                   const __nv_bfloat16* __restrict__ vpages, const int* __restrict__ lists,
@@ -391,7 +546,7 @@ __global__ void __launch_bounds__(WARPS * 32)
                   const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
                   float* part_o, float* part_lse, int* arrivals, int hkv, int group,
                   int64_t n_pages, int list_len, int n_lists, int splits, int balance, int cap,
-                  float scale_log2) {
+                  float scale_log2, Choice choice) {
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ int s_last, s_warp[WARPS], s_most;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
@@ -415,7 +570,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int guess_each = (list_len + splits - 1) / splits;
   const int guess_from = min((first_part % splits) * guess_each, list_len);
   const int guess_n = min(guess_each, list_len - guess_from);
-  const bool guessed = balance <= 0 && first_part < even_blocks &&
+  const bool guessed = !kSelect && balance <= 0 && first_part < even_blocks &&
                        guess_n <= min(cap, GUESS_EACH * WARPS * 32);
   const int guess_count = guessed ? counts[first_part / splits] : 0;
   int guess_phys[GUESS_EACH], guess_slot[GUESS_EACH];
@@ -504,6 +659,13 @@ __global__ void __launch_bounds__(WARPS * 32)
   if (balance == 0 || (balance < 0 && even_faster())) {
     for (int v = first_part; v < even_blocks; v += blocks / stride) {
       const int i = v / splits, split = v % splits;
+      if constexpr (kSelect) {
+        const int2 part = select_part(choice, i, hkv, lengths[i / hkv], split, splits, smem,
+                                      s_phys, s_slot);
+        attend(i, part.x, part.y, a, true);
+        finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
+        continue;
+      }
       const int count = min(v == first_part && guessed ? guess_count : counts[i], list_len);
       const int each = (count + splits - 1) / splits;
       const int from = min(split * each, count), to = min(from + each, count);
@@ -535,6 +697,11 @@ ffi::Error Check(cudaError_t e, const char* what) {
   return ffi::Error::Internal(std::string(what) + ": " + cudaGetErrorString(e));
 }
 
+// The kernel's instantiations: [kCluster][kSelect].
+using Kernel = decltype(&attend_kernel<false, false>);
+constexpr Kernel kKernels[2][2] = {{attend_kernel<false, false>, attend_kernel<false, true>},
+                                   {attend_kernel<true, false>, attend_kernel<true, true>}};
+
 // Past 48 KB a kernel gets dynamic shared memory only when it asks: once on each device, all
 // that the device allows beside the kernel's static shared memory.
 ffi::ErrorOr<int> RaiseSharedLimit() {
@@ -551,15 +718,16 @@ ffi::ErrorOr<int> RaiseSharedLimit() {
     result[device] = cudaDeviceGetAttribute(&limit, cudaDevAttrMaxSharedMemoryPerBlockOptin,
                                             device);
     if (result[device] == cudaSuccess) {
-      result[device] = cudaFuncGetAttributes(&attributes, attend_kernel<false>);
+      result[device] = cudaFuncGetAttributes(&attributes, kKernels[0][0]);
     }
     if (result[device] != cudaSuccess) return;
     dynamic[device] = limit - static_cast<int>(attributes.sharedSizeBytes);
-    for (const void* kernel : {reinterpret_cast<const void*>(attend_kernel<false>),
-                               reinterpret_cast<const void*>(attend_kernel<true>)}) {
-      if (result[device] == cudaSuccess) {
-        result[device] = cudaFuncSetAttribute(
-            kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic[device]);
+    for (const auto& by_select : kKernels) {
+      for (Kernel kernel : by_select) {
+        if (result[device] == cudaSuccess) {
+          result[device] = cudaFuncSetAttribute(
+              kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, dynamic[device]);
+        }
       }
     }
   });
@@ -568,6 +736,58 @@ ffi::ErrorOr<int> RaiseSharedLimit() {
     return e;
   }
   return dynamic[device];
+}
+
+// Both handlers' checks of q and the pages (bf16, [B, Hkv * G, 128] and [Hkv, N, 16, 128]).
+bool PagesFit(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, int64_t batch) {
+  auto qd = q.dimensions(), kd = k.dimensions();
+  return q.element_type() == ffi::BF16 && k.element_type() == ffi::BF16 &&
+         v.element_type() == ffi::BF16 && qd.size() == 3 && kd.size() == 4 && qd[2] == D &&
+         kd[2] == P && kd[3] == D && qd[0] == batch && qd[1] % kd[0] == 0 &&
+         qd[1] / kd[0] <= MAX_GROUP;
+}
+
+// One launch of the kernel on `programs` blocks (clusters of `cluster`, 1: none), each
+// staging up to `longest` entries at a time, or what the shared memory holds.
+ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+                  const int* lists, const int* slots, const int* counts, const int* lengths,
+                  void* out, float* part_o, float* part_lse, int* arrivals, int64_t lists_n,
+                  int list_len, int64_t splits, int64_t programs, int64_t balance,
+                  int64_t cluster, int64_t longest, Choice choice) {
+  ffi::ErrorOr<int> limit = RaiseSharedLimit();
+  if (limit.has_error()) return limit.error();
+  const int64_t room = (*limit - RING_BYTES - 4 * lists_n) / 8;
+  const int64_t cap = std::min(longest, room);
+  if (room < WARPS || (choice.keys != nullptr && room < longest)) {
+    return ffi::Error::InvalidArgument(
+        "sparrow_sparse_attend: " + std::to_string(lists_n) + " lists leave too little shared "
+        "memory to stage their entries");
+  }
+  // One row's clusters (kCluster) need the launch attribute; without it this is a plain launch.
+  cudaLaunchAttribute attribute;
+  attribute.id = cudaLaunchAttributeClusterDimension;
+  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
+  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  cudaLaunchConfig_t launch = {};
+  launch.gridDim = dim3(static_cast<unsigned>(programs));
+  launch.blockDim = dim3(WARPS * 32);
+  launch.dynamicSmemBytes = RING_BYTES + 8 * cap + 4 * lists_n;
+  launch.stream = stream;
+  launch.attrs = &attribute;
+  launch.numAttrs = cluster > 1 ? 1 : 0;
+  auto kd = k.dimensions();
+  const int hkv = static_cast<int>(kd[0]);
+  const int group = static_cast<int>(q.dimensions()[1] / kd[0]);
+  const cudaError_t launched = cudaLaunchKernelEx(
+      &launch, kKernels[cluster > 1][choice.keys != nullptr],
+      reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
+      reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), lists, slots, counts, lengths,
+      reinterpret_cast<__nv_bfloat16*>(out), part_o, part_lse, arrivals, hkv, group, kd[1],
+      list_len, static_cast<int>(lists_n), static_cast<int>(splits),
+      static_cast<int>(balance), static_cast<int>(cap),
+      1.4426950408889634f / sqrtf(static_cast<float>(D)), choice);
+  return Check(launched, "sparrow_sparse_attend launch");
 }
 
 // The parts buffers hold max(programs + lists, lists * splits) parts (attend_kernel).
@@ -579,56 +799,51 @@ ffi::Error Attend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
                   ffi::Result<ffi::Buffer<ffi::F32>> part_o,
                   ffi::Result<ffi::Buffer<ffi::F32>> part_lse, int64_t splits, int64_t programs,
                   int64_t balance, int64_t cluster) {
-  auto qd = q.dimensions(), kd = k.dimensions(), ld = phys.dimensions();
-  if (q.element_type() != ffi::BF16 || k.element_type() != ffi::BF16 ||
-      v.element_type() != ffi::BF16 || qd.size() != 3 || kd.size() != 4 || ld.size() != 3 ||
-      qd[2] != D || kd[2] != P || kd[3] != D || kd[0] != ld[1] || qd[0] != ld[0] ||
-      qd[1] % kd[0] != 0 || qd[1] / kd[0] > MAX_GROUP || splits < 1 || splits > MAX_PARTS ||
-      programs < 1 || programs > MAX_PARTS ||
-      balance < -1 || balance > 1 ||
+  auto kd = k.dimensions(), ld = phys.dimensions();
+  if (ld.size() != 3 || !PagesFit(q, k, v, ld[0]) || kd[0] != ld[1] || splits < 1 ||
+      splits > MAX_PARTS || programs < 1 || programs > MAX_PARTS || balance < -1 ||
+      balance > 1 ||
       (cluster != 1 && (cluster > MAX_CLUSTER || cluster != splits || balance != 0 ||
                         programs != ld[0] * ld[1] * splits))) {
     return ffi::Error::InvalidArgument("sparrow_sparse_attend: unsupported arguments");
   }
-  const int hkv = static_cast<int>(kd[0]), group = static_cast<int>(qd[1] / kd[0]);
   const int list_len = static_cast<int>(ld[2]);
   const int64_t lists = ld[0] * ld[1];
   if (lists == 0) return ffi::Error::Success();
-  ffi::ErrorOr<int> limit = RaiseSharedLimit();
-  if (limit.has_error()) return limit.error();
   // Entries staged at once: the most a block's part of a list can hold, or what fits.
   const int64_t longest = std::max<int64_t>(
       (lists * std::max(list_len, 1) + programs - 1) / programs, (list_len + splits - 1) / splits);
-  const int64_t room = (*limit - RING_BYTES - 4 * lists) / 8;
-  const int64_t cap = std::min(longest, room);
-  if (room < WARPS) {
-    return ffi::Error::InvalidArgument(
-        "sparrow_sparse_attend: " + std::to_string(lists) + " lists leave too little shared "
-        "memory to stage their entries");
+  return Launch(stream, q, k, v, phys.typed_data(), slots.typed_data(), counts.typed_data(),
+                lengths.typed_data(), out->untyped_data(), part_o->typed_data(),
+                part_lse->typed_data(), arrivals->typed_data(), lists, list_len, splits,
+                programs, balance, cluster, longest, Choice{});
+}
+
+// The second handler: the lists chosen inside the attention from the scoring's keys
+// [Hkv, B, width] (select_part), each list in `splits` even parts, one block a part: one
+// part (splits 1), or a cluster of 2-8 that merge through their shared memory.
+ffi::Error SelectAttend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::Buffer<ffi::S32> keys,
+                        ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                        ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::AnyBuffer> out,
+                        int64_t splits, int64_t page_size, int64_t max_pages) {
+  auto kd = k.dimensions(), keyd = keys.dimensions(), td = table.dimensions();
+  if (keyd.size() != 3 || td.size() != 2 || !PagesFit(q, k, v, keyd[1]) || kd[0] != keyd[0] ||
+      td[0] != keyd[1] || td[1] != keyd[2] || keyd[2] < 1 || keyd[2] > MAX_CHOICE_WIDTH ||
+      lengths.dimensions()[0] != keyd[1] || budgets.dimensions()[0] != keyd[1] ||
+      page_size != P || max_pages < RESERVED || splits < 1 || splits > MAX_CLUSTER ||
+      keyd[0] * keyd[1] * splits > MAX_PARTS) {
+    return ffi::Error::InvalidArgument("sparrow_sparse_select_attend: unsupported arguments");
   }
-  // One row's clusters (kCluster) need the launch attribute; without it this is a plain launch.
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
-  cudaLaunchConfig_t launch = {};
-  launch.gridDim = dim3(static_cast<unsigned>(programs));
-  launch.blockDim = dim3(WARPS * 32);
-  launch.dynamicSmemBytes = RING_BYTES + 8 * cap + 4 * lists;
-  launch.stream = stream;
-  launch.attrs = &attribute;
-  launch.numAttrs = cluster > 1 ? 1 : 0;
-  const cudaError_t launched = cudaLaunchKernelEx(
-      &launch, cluster > 1 ? attend_kernel<true> : attend_kernel<false>,
-      reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
-      reinterpret_cast<const __nv_bfloat16*>(k.untyped_data()),
-      reinterpret_cast<const __nv_bfloat16*>(v.untyped_data()), phys.typed_data(),
-      slots.typed_data(), counts.typed_data(), lengths.typed_data(),
-      reinterpret_cast<__nv_bfloat16*>(out->untyped_data()), part_o->typed_data(),
-      part_lse->typed_data(), arrivals->typed_data(), hkv, group, kd[1], list_len,
-      static_cast<int>(lists), static_cast<int>(splits), static_cast<int>(balance),
-      static_cast<int>(cap), 1.4426950408889634f / sqrtf(static_cast<float>(D)));
-  return Check(launched, "sparrow_sparse_attend launch");
+  const int64_t lists = keyd[0] * keyd[1];
+  if (lists == 0) return ffi::Error::Success();
+  const Choice choice{keys.typed_data(), table.typed_data(), budgets.typed_data(),
+                      static_cast<int>(keyd[1]), static_cast<int>(keyd[2]),
+                      static_cast<int>(page_size), static_cast<int>(max_pages)};
+  return Launch(stream, q, k, v, nullptr, nullptr, nullptr, lengths.typed_data(),
+                out->untyped_data(), nullptr, nullptr, nullptr, lists,
+                static_cast<int>(max_pages), splits, lists * splits, 0, splits,
+                (max_pages + splits - 1) / splits, choice);
 }
 
 }  // namespace
@@ -652,4 +867,20 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseAttend, Attend,
                                   .Attr<int64_t>("programs")
                                   .Attr<int64_t>("balance")
                                   .Attr<int64_t>("cluster"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectAttend, SelectAttend,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::AnyBuffer>()
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("max_pages"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -33,6 +33,7 @@ from pallas_kernels.paged_attend_gpu import sm_count
 
 SOURCE = Path(__file__).with_suffix(".cu")
 TARGET = "sparrow_sparse_attend"
+SELECT_TARGET = "sparrow_sparse_select_attend"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 # The kernel's warps a block, and the most parts a list may be merged from (the blocks, or
 # the even splits: their weights fill the shared memory of the kernel's page ring).
@@ -40,11 +41,16 @@ WARPS = 8
 MAX_PARTS = 4096
 # The most blocks of a cluster that every Hopper launch allows.
 MAX_CLUSTER = 8
+# The widest page table whose keys and pages a block holds to choose its list (in the shared
+# memory of its page ring, before the pages stream).
+MAX_CHOICE_WIDTH = 8192
 
 
 @functools.cache
 def _registered() -> str | None:
-    return register(SOURCE, "SparrowSparseAttend", TARGET, "the CUDA attention")
+    return (register(SOURCE, "SparrowSparseAttend", TARGET, "the CUDA attention")
+            or register(SOURCE, "SparrowSparseSelectAttend", SELECT_TARGET,
+                        "the CUDA attention"))
 
 
 def unavailable() -> str | None:
@@ -140,3 +146,52 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
                    balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
                    cluster=np.int64(splits if cluster else 1))
     return out
+
+
+def selects_in_attention(lists: int, width: int, splits: int, programs: int, *,
+                         balanced: bool | None = False, asked: bool | None = None) -> bool:
+    """Whether :func:`attend_selected_cuda` takes ``lists`` lists in ``splits`` even parts on
+    ``programs`` blocks from a ``width``-slot page table: one block a part in one wave, each
+    list one part or its parts one cluster (2-8, merged in shared memory), and the row's keys
+    and pages within the block's page ring; not with stream-K (``balanced`` True).
+    ``asked`` (``GpuDecodeTuning.select_in_attention``): False, never; True where it does
+    not apply, one line."""
+    if asked is False:
+        return False
+    fits = (balanced is not True and lists * splits <= programs
+            and 1 <= splits <= MAX_CLUSTER and 1 <= width <= MAX_CHOICE_WIDTH)
+    if asked and not fits:
+        raise ValueError(f"select_in_attention needs even splits of 1 to {MAX_CLUSTER} parts, "
+                         f"one block a part ({lists} lists x {splits} splits on {programs} "
+                         f"blocks, balanced={balanced}) and a table of at most "
+                         f"{MAX_CHOICE_WIDTH} slots, have {width}")
+    return fits
+
+
+def attend_selected_cuda(q, k_pages, v_pages, keys, table, lengths, budget_pages, *,
+                         page_size: int, max_pages: int, splits: int | None = None):
+    """The selection and the attention in one launch: q ``[B, Hq, D]``, pages ``[Hkv, N, P,
+    D]``, the scoring's keys ``[Hkv, B, M]`` int32
+    (:func:`pallas_kernels.sparse_decode_gpu.score_keys`), the page table ``[B, M]``, lengths
+    and budget_pages ``[B]`` -> ``[B, Hq, D]`` bf16, the output of
+    :func:`pallas_kernels.sparse_decode_gpu.select_page_lists` then
+    :func:`attend_page_lists_cuda` (docs/design.md, section 3), where each block chooses its
+    list's pages itself before it streams them: the selection kernel's launch and its lists'
+    round trip through global memory are saved, the choice is made once a part (each block of
+    a list's cluster makes it; their lists are the same). ``splits`` (None:
+    :func:`default_cuda_splits`) must satisfy :func:`selects_in_attention` on one block an SM;
+    else, and for arguments it does not take, one line."""
+    why = unsupported_args(q, k_pages, page_size)
+    if why is not None:
+        raise ValueError(f"attend_selected_cuda: {why}")
+    _registered()
+    hkv, b, width = keys.shape
+    splits = default_cuda_splits(b * hkv, max_pages, sm_count()) if splits is None else splits
+    try:
+        selects_in_attention(b * hkv, width, splits, sm_count(), asked=True)
+    except ValueError as e:
+        raise ValueError(f"attend_selected_cuda: {e}") from None
+    return jax.ffi.ffi_call(SELECT_TARGET, jax.ShapeDtypeStruct(q.shape, q.dtype))(
+        q, k_pages, v_pages, keys.astype(jnp.int32), table.astype(jnp.int32),
+        lengths.astype(jnp.int32), budget_pages.astype(jnp.int32), splits=np.int64(splits),
+        page_size=np.int64(page_size), max_pages=np.int64(max_pages))

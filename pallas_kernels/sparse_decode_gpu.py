@@ -53,7 +53,8 @@ from jax.experimental.pallas import triton as plgpu
 from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
                                              pow2, sm_count)
 from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
-from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda, default_cuda_splits
+from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
+                                               default_cuda_splits, selects_in_attention)
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, num_pages, order_key
@@ -171,6 +172,11 @@ class GpuDecodeTuning:
       idle or the lists are ragged;
       ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
     attend_programs: the CUDA attention's blocks (None: one an SM).
+    select_in_attention: with the CUDA attention, each of its blocks chooses its list's
+      pages itself (:func:`pallas_kernels.sparse_attend_cuda.attend_selected_cuda`: no
+      selection kernel, no lists in global memory) where even splits give every block one
+      part in one wave (one row; up to a wave of lists at one part each): True (one line
+      where it does not apply), False, or None (where it applies).
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
       (:func:`score_keys_xla`). H200, 32K, budget 2048, the step alone: xla 111 against 127
       us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
@@ -192,6 +198,7 @@ class GpuDecodeTuning:
     attend: str = "auto"
     attend_programs: int | None = None
     score: str = "pallas"
+    select_in_attention: bool | None = False
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -202,6 +209,8 @@ class GpuDecodeTuning:
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
             raise ValueError(f"attend_programs must be in [1, {CUDA_MAX_PARTS}], got "
                              f"{self.attend_programs}")
+        if self.select_in_attention is not False and self.attend == "pallas":
+            raise ValueError("select_in_attention needs attend='cuda' or 'auto'")
         if self.attend != "pallas" and (self.splits or 0) > CUDA_MAX_PARTS:
             raise ValueError(f"splits must be <= {CUDA_MAX_PARTS} for the CUDA attention, got "
                              f"{self.splits}")
@@ -500,10 +509,21 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
     ``arrivals``: a fourth output, zeros ``[B, Hkv, 1]`` written by the selection programs, the
     balanced attention's arrival counters (which would otherwise take an XLA launch of their
     own each layer; H100 at 32K: 0.9 us of device time and a launch gap)."""
-    summaries = as_summaries(summaries)
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0],
-                            kv_heads=summaries[0].shape[0], max_pages=max_pages,
-                            summaries=len(summaries))
+                            kv_heads=as_summaries(summaries)[0].shape[0], max_pages=max_pages,
+                            summaries=len(as_summaries(summaries)))
+    keys, table, kpad = scored_table(q, summaries, page_table, lengths, page_size=page_size,
+                                     max_pages=max_pages, tuning=tuning, interpret=interpret)
+    return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
+                            max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret,
+                            arrivals=arrivals)
+
+
+def scored_table(q, summaries, page_table, lengths, *, page_size, max_pages, tuning,
+                 interpret=False):
+    """The scoring of the resolved ``tuning`` -> (keys ``[Hkv, B, Mpad]``, the page table
+    padded to ``[B, Mpad]``, Kpad) (:func:`list_sizes`)."""
+    summaries = as_summaries(summaries)
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
     table = jnp.pad(page_table, ((0, 0), (0, mpad - page_table.shape[1])))
     if tuning.score == "xla":
@@ -511,9 +531,7 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
     else:
         keys = score_keys(q, summaries, table, lengths, page_size=page_size, tuning=tuning,
                           interpret=interpret)
-    return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
-                            max_pages=max_pages, kpad=kpad, tuning=tuning, interpret=interpret,
-                            arrivals=arrivals)
+    return keys, table, kpad
 
 
 def score_keys(q, summaries, table, lengths, *, page_size, tuning=GpuDecodeTuning(),
@@ -595,6 +613,15 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
     cuda = tuning.attend == "cuda"
+    if cuda and selects_in_attention(
+            q.shape[0] * k_pages.shape[0], list_sizes(page_table.shape[1], max_pages, tuning)[0],
+            tuning.splits, tuning.attend_programs, balanced=tuning.balanced,
+            asked=tuning.select_in_attention):
+        keys, table, _ = scored_table(q, summaries, page_table, lengths, page_size=page_size,
+                                      max_pages=max_pages, tuning=tuning)
+        return attend_selected_cuda(q, k_pages, v_pages, keys, table, lengths, budget_pages,
+                                    page_size=page_size, max_pages=max_pages,
+                                    splits=tuning.splits)
     # The CUDA call takes its counters even with one split (an aliased buffer it leaves
     # alone): zeros from the selection, which would otherwise be a fill of their own.
     phys, slots, count, *arrivals = select_page_lists(

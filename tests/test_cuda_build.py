@@ -21,14 +21,15 @@ def test_library_builds_without_spills_and_exports_its_handler(tmp_path, monkeyp
     monkeypatch.setenv("SPARROW_CACHE", str(tmp_path))
     lib = build_library(sparse_attend_cuda.SOURCE, find_nvcc())
     log = lib.with_suffix(".log").read_text()
-    # Each of the kernel's two instantiations (the cluster merge's and the rest's) once, for
-    # sm_90 alone.
+    # Each of the kernel's four instantiations (with or without the cluster merge, and the
+    # choice of pages inside) once, for sm_90 alone.
     entries = re.findall(r"Compiling entry function '(\w*attend_kernel\w*)' for '(\w+)'", log)
-    assert len(entries) == len({name for name, _ in entries}) == 2
+    assert len(entries) == len({name for name, _ in entries}) == 4
     assert {arch for _, arch in entries} == {"sm_90"}
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
     assert spills and all(n == "0" for n in spills)
-    assert hasattr(ctypes.CDLL(str(lib)), "SparrowSparseAttend")
+    assert all(hasattr(ctypes.CDLL(str(lib)), name)
+               for name in ("SparrowSparseAttend", "SparrowSparseSelectAttend"))
     assert build_library(sparse_attend_cuda.SOURCE, find_nvcc()) == lib
     assert len(list(tmp_path.iterdir())) == 2
 

@@ -9,6 +9,7 @@ choice between the CUDA and the Pallas attention, and the splits' rule.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import re
 
@@ -185,6 +186,29 @@ def test_full_matrix(r):
     check_step(rng, lengths, budgets, r)
 
 
+@needs_cuda
+@pytest.mark.parametrize("r", [1, 2, 5, 8])
+@pytest.mark.parametrize("how", [{}, dict(splits=1), dict(splits=3)])
+def test_lists_chosen_in_the_attention_match_float64(r, how):
+    """``select_in_attention``: each block chooses its list's pages from the scoring's keys
+    (the minimum budget, small ones, exactly n, more than the row), in one part a list, in
+    clusters of 3, and in the default splits (4 a list here, clusters)."""
+    check_step(np.random.default_rng(r + 40), KERNEL_LENGTHS, KERNEL_BUDGETS, r,
+               select_in_attention=True, **how)
+
+
+@needs_cuda
+@pytest.mark.parametrize("lengths, budgets", [([515], [20]), ([515], [3]), ([300], [40]),
+                                              ([47000], [130]), ([9], [3])])
+def test_one_row_chosen_in_the_attention_matches_float64(lengths, budgets):
+    """One row as the decode step meets it (even splits, one cluster a list; 8 parts, as a
+    model's 8 KV heads get at 32K, where this case's 2 would get more by default): a budget
+    within the row, the minimum, more than the row, a table of ~2900 slots (12 a thread in
+    the search), and a row of one page."""
+    check_step(np.random.default_rng(lengths[0]), lengths, budgets, 4, select_in_attention=True,
+               splits=8)
+
+
 # ---------------------------------------------------------------- the choice, on any host
 
 def test_choice_between_cuda_and_pallas():
@@ -294,6 +318,33 @@ def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
         assert (cluster, programs) == (splits, 2 * splits) and splits > 1   # 2 KV heads' lists
     else:
         assert (cluster, programs) == (1, 132)
+
+
+@pytest.mark.parametrize("lengths", [(300,), (300, 200)])
+def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
+    """On any host: with ``select_in_attention`` None the step, lowered for an H100, scores
+    and then makes one call that chooses and attends (no selection kernel, no lists), where
+    every list's parts fit one wave of blocks; with stream-K asked it keeps the selection
+    kernel, and True there says why not in one line."""
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", select_in_attention=None),
+                                    lengths)
+    assert re.findall(r'name = "([a-z_]+)", num_stages', text) == ["sparse_decode_score"]
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_select_attend\(.*max_pages = "
+                     r"(\d+) : i64, page_size = 16 : i64, splits = (\d+)", text)
+    assert call and int(call.group(2)) == default_cuda_splits(2 * len(lengths), 20, 132)
+    assert "@sparrow_sparse_attend(" not in text
+    stream_k = GpuDecodeTuning(attend="cuda", select_in_attention=None, balanced=True)
+    text = step_lowered_for_an_h100(stream_k, lengths)
+    assert "@sparrow_sparse_attend(" in text and "sparse_decode_select" in text
+    with pytest.raises(ValueError, match=r"^select_in_attention needs even splits of 1 to 8 "
+                                         r"parts, one block a part \(\d lists x \d+ splits on "
+                                         r"132 blocks, balanced=True\)"):
+        step_lowered_for_an_h100(dataclasses.replace(stream_k, select_in_attention=True),
+                                 lengths)
+    with pytest.raises(ValueError, match="^select_in_attention needs attend='cuda' or 'auto'"):
+        GpuDecodeTuning(attend="pallas", select_in_attention=True)
 
 
 def test_clusters_only_where_they_apply():
