@@ -831,7 +831,7 @@ ffi::Error SelectAttend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
   if (keyd.size() != 3 || td.size() != 2 || !PagesFit(q, k, v, keyd[1]) || kd[0] != keyd[0] ||
       td[0] != keyd[1] || td[1] != keyd[2] || keyd[2] < 1 || keyd[2] > MAX_CHOICE_WIDTH ||
       lengths.dimensions()[0] != keyd[1] || budgets.dimensions()[0] != keyd[1] ||
-      page_size != P || max_pages < RESERVED || splits < 1 || splits > MAX_CLUSTER ||
+      page_size != P || max_pages < 1 || splits < 1 || splits > MAX_CLUSTER ||
       keyd[0] * keyd[1] * splits > MAX_PARTS) {
     return ffi::Error::InvalidArgument("sparrow_sparse_select_attend: unsupported arguments");
   }

@@ -175,8 +175,10 @@ class GpuDecodeTuning:
     select_in_attention: with the CUDA attention, each of its blocks chooses its list's
       pages itself (:func:`pallas_kernels.sparse_attend_cuda.attend_selected_cuda`: no
       selection kernel, no lists in global memory) where even splits give every block one
-      part in one wave (one row; up to a wave of lists at one part each): True (one line
-      where it does not apply), False, or None (where it applies).
+      part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where it
+      does not apply), False, or None (where it applies). H200, 32K, budget 2048, the
+      step's device time: 2.1, 4.7, 1.2 and 1.9 us less at batches 2, 4, 8 and 16, equal at
+      1 (BENCHMARKS.md, kernel run AW).
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
       (:func:`score_keys_xla`). H200, 32K, budget 2048, the step alone: xla 111 against 127
       us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
@@ -198,7 +200,7 @@ class GpuDecodeTuning:
     attend: str = "auto"
     attend_programs: int | None = None
     score: str = "pallas"
-    select_in_attention: bool | None = False
+    select_in_attention: bool | None = None
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -209,7 +211,7 @@ class GpuDecodeTuning:
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
             raise ValueError(f"attend_programs must be in [1, {CUDA_MAX_PARTS}], got "
                              f"{self.attend_programs}")
-        if self.select_in_attention is not False and self.attend == "pallas":
+        if self.select_in_attention and self.attend == "pallas":
             raise ValueError("select_in_attention needs attend='cuda' or 'auto'")
         if self.attend != "pallas" and (self.splits or 0) > CUDA_MAX_PARTS:
             raise ValueError(f"splits must be <= {CUDA_MAX_PARTS} for the CUDA attention, got "

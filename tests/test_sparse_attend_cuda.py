@@ -290,7 +290,8 @@ def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
     counters directly (no fill of its own, also with one split)."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
-    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", splits=splits))
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", splits=splits,
+                                                    select_in_attention=False))
     kernels = re.findall(r'name = "([a-z_]+)", num_stages', text)
     assert kernels == ["sparse_decode_score", "sparse_decode_select"]
     call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(([^)]*)\).*splits = (\d+)",
@@ -309,7 +310,8 @@ def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
     of blocks; two rows leave the choice to the device (-1), without clusters."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
-    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda"), lengths)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", select_in_attention=False),
+                                    lengths)
     call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(.*balance = (-?\d+) : i64, "
                      r"cluster = (\d+) : i64, programs = (\d+) : i64, splits = (\d+)", text)
     assert call and int(call.group(1)) == balance
