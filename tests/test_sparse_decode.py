@@ -247,11 +247,12 @@ def test_impl_choice(monkeypatch):
 
 
 def test_auto_runs_the_kernels_exactly_on_gpu():
-    """impl="auto" compiles to the GPU kernels on a GPU (the Pallas scoring and selection, and
-    the CUDA attention where it can be built, else the Pallas one) and to the reference
+    """impl="auto" compiles to the GPU kernels on a GPU (the Pallas scoring, then the CUDA
+    attention choosing its lists where it can be built, else the Pallas selection and
+    attention) and to the reference
     elsewhere, and matches the float64 reference either way (bf16 cache, page 16, head_dim
     128)."""
-    from pallas_kernels.sparse_attend_cuda import TARGET, unavailable
+    from pallas_kernels.sparse_attend_cuda import SELECT_TARGET, TARGET, unavailable
     rng = np.random.default_rng(4)
     lengths = np.array([150, 77], np.int32)                  # 10 and 5 pages of 16
     q = rng.standard_normal((2, 8, 128))
@@ -266,7 +267,8 @@ def test_auto_runs_the_kernels_exactly_on_gpu():
     gpu = jax.default_backend() == "gpu"
     assert ("sparse_decode_score" in hlo) == gpu
     cuda = gpu and unavailable() is None
-    assert (TARGET in hlo) == cuda
+    # Two rows of 2 KV heads: the lists chosen inside the CUDA attention (one call).
+    assert (f"@{SELECT_TARGET}(" in hlo) == cuda and f"@{TARGET}(" not in hlo
     assert ("sparse_decode_attend" in hlo) == (gpu and not cuda)
     want = sparse_decode_np(*(np.asarray(x, np.float64) for x in args[:3]), table, lengths,
                             [5, 4], page_size=16)
