@@ -10,6 +10,10 @@ batch 32 against 87.0 for the Pallas attention (83% of the read ceiling against 
 against 28.6 at batch 8; the whole step 10-11% faster at batches 8-64 (BENCHMARKS.md, kernel
 runs AJ and AK).
 
+:func:`attend_selected_cuda` is the same attention whose blocks choose their lists
+themselves from the scoring's keys (no selection kernel), where every block holds one part
+of one list in one wave (kernel run AW).
+
 Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
 an NVIDIA Hopper GPU (compute capability 9.x: H100, H200; measured on an H200), and ``nvcc``
 (tested with CUDA 13.0) to build the kernel's library once, at first use, into

@@ -1,5 +1,5 @@
 """The CUDA attention's library (pallas_kernels/cuda_build.py) where nvcc is, no GPU needed: it
-builds for sm_90 alone, its kernels spill nothing, its FFI handler's symbol is there, and a
+builds for sm_90 alone, its kernels spill nothing, its FFI handlers' symbols are there, and a
 second call reuses the cached build. On a Hopper GPU: the kernel's own function, called first
 thing in a fresh process, registers its handler itself."""
 
