@@ -165,10 +165,10 @@ def selects_in_attention(lists: int, width: int, splits: int, programs: int, *,
     fits = (balanced is not True and lists * splits <= programs
             and 1 <= splits <= MAX_CLUSTER and 1 <= width <= MAX_CHOICE_WIDTH)
     if asked and not fits:
-        raise ValueError(f"select_in_attention needs even splits of 1 to {MAX_CLUSTER} parts, "
-                         f"one block a part ({lists} lists x {splits} splits on {programs} "
-                         f"blocks, balanced={balanced}) and a table of at most "
-                         f"{MAX_CHOICE_WIDTH} slots, have {width}")
+        raise ValueError(f"choosing the lists inside the attention needs even splits of 1 to "
+                         f"{MAX_CLUSTER} parts, one block a part, and a table of at most "
+                         f"{MAX_CHOICE_WIDTH} slots; have {lists} lists x {splits} splits on "
+                         f"{programs} blocks (balanced={balanced}), {width} slots")
     return fits
 
 

@@ -18,8 +18,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, default_cuda_splits,
-                                               unavailable, unsupported_args)
+from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
+                                               default_cuda_splits, unavailable,
+                                               unsupported_args)
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, resolve_attend, sparse_decode_pallas
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case
 from test_sparse_kernel import as64, make_case, reference
@@ -340,13 +341,21 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
     stream_k = GpuDecodeTuning(attend="cuda", select_in_attention=None, balanced=True)
     text = step_lowered_for_an_h100(stream_k, lengths)
     assert "@sparrow_sparse_attend(" in text and "sparse_decode_select" in text
-    with pytest.raises(ValueError, match=r"^select_in_attention needs even splits of 1 to 8 "
-                                         r"parts, one block a part \(\d lists x \d+ splits on "
-                                         r"132 blocks, balanced=True\)"):
+    with pytest.raises(ValueError, match=r"^choosing the lists inside the attention needs even "
+                                         r"splits of 1 to 8 parts, .*; have \d lists x \d+ "
+                                         r"splits on 132 blocks \(balanced=True\), 64 slots"):
         step_lowered_for_an_h100(dataclasses.replace(stream_k, select_in_attention=True),
                                  lengths)
     with pytest.raises(ValueError, match="^select_in_attention needs attend='cuda' or 'auto'"):
         GpuDecodeTuning(attend="pallas", select_in_attention=True)
+    # Called directly: the same rule, in one line.
+    q, k, v, cent, table, lengths = make_case(np.random.default_rng(1), lengths=[300], hkv=2,
+                                              r=4, d=D, dtype=jnp.bfloat16)
+    keys = jnp.zeros((2, 1, table.shape[1]), jnp.int32)
+    with pytest.raises(ValueError, match=r"^attend_selected_cuda: choosing the lists inside the "
+                                         r"attention needs .*; have 2 lists x 9 splits"):
+        attend_selected_cuda(q, k, v, keys, table, lengths, jnp.asarray([8]), page_size=P,
+                             max_pages=20, splits=9)
 
 
 def test_clusters_only_where_they_apply():
