@@ -337,12 +337,33 @@ __device__ __forceinline__ void stage(const int* lists, const int* slots, int li
   }
 }
 
+// Inclusive prefix sums over the block of one value a thread, and the block's total.
+__device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
+  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
+  int x = value;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, x, d);
+    if (lane >= d) x += y;
+  }
+  if (lane == 31) warp_sums[warp] = x;
+  __syncthreads();
+  int before = 0, all = 0;
+#pragma unroll
+  for (int w = 0; w < WARPS; ++w) {
+    before += w < warp ? warp_sums[w] : 0;
+    all += warp_sums[w];
+  }
+  *total = all;
+  __syncthreads();   // warp_sums may be written again by the next call
+  return before + x;
+}
+
 // The lists' units laid end to end: a list's units are LIST_UNITS for what it costs beside its
 // pages, then its pages (at least one: a list without pages has one, whose block writes its
 // zeros). s_ends[i] = the units of lists 0 .. i; *s_most = the most units of a list.
 __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n, int* s_ends,
                                           int* s_warp, int* s_most) {
-  const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   const int per = (n + WARPS * 32 - 1) / (WARPS * 32);
   const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
   if (threadIdx.x == 0) *s_most = 0;
@@ -352,17 +373,9 @@ __device__ __forceinline__ void list_ends(const int* counts, int list_len, int n
     sum += units;
     most = max(most, units);
   }
-  int x = sum;   // the inclusive scan of the threads' sums, warp by warp
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, d);
-    if (lane >= d) x += y;
-  }
-  if (lane == 31) s_warp[warp] = x;
-  __syncthreads();
+  int all;
+  int run = block_scan(sum, s_warp, &all) - sum;
   if (lo < hi) atomicMax(s_most, most);
-  int run = x - sum;
-  for (int w = 0; w < warp; ++w) run += s_warp[w];
   for (int i = lo; i < hi; ++i) {
     run += LIST_UNITS + max(min(counts[i], list_len), 1);
     s_ends[i] = run;
@@ -388,28 +401,6 @@ constexpr int RESERVED = 3, BINS = 256, THREADS = WARPS * 32;
 __host__ __device__ constexpr int padded(int s) { return s + (s >> 5); }
 constexpr int MAX_CHOICE_WIDTH = 8192;
 static_assert(8 * padded(MAX_CHOICE_WIDTH) + 4 * (BINS + WARPS + 2) <= RING_BYTES);
-
-// Inclusive prefix sums over the block of one value a thread, and the block's total.
-__device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
-  const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
-  int x = value;
-#pragma unroll
-  for (int d = 1; d < 32; d <<= 1) {
-    const int y = __shfl_up_sync(0xffffffffu, x, d);
-    if (lane >= d) x += y;
-  }
-  if (lane == 31) warp_sums[warp] = x;
-  __syncthreads();
-  int before = 0, all = 0;
-#pragma unroll
-  for (int w = 0; w < WARPS; ++w) {
-    before += w < warp ? warp_sums[w] : 0;
-    all += warp_sums[w];
-  }
-  *total = all;
-  __syncthreads();   // warp_sums may be written again by the next call
-  return before + x;
-}
 
 // List i's page list chosen as the selection kernel chooses it (docs/design.md, section 3;
 // pallas_kernels/sparse_decode_gpu.py, _select_kernel): a row of n pages with budget K
@@ -846,18 +837,23 @@ ffi::Error SelectAttend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                 (max_pages + splits - 1) / splits, choice);
 }
 
+// What both handlers take first: the stream, q, the K and V pages, and four int32 arrays.
+auto PagesAndFourArrays() {
+  return ffi::Ffi::Bind()
+      .Ctx<ffi::PlatformStream<cudaStream_t>>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::AnyBuffer>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>()
+      .Arg<ffi::Buffer<ffi::S32>>();
+}
+
 }  // namespace
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseAttend, Attend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              PagesAndFourArrays()
                                   .Arg<ffi::Buffer<ffi::S32>>()
                                   .Ret<ffi::AnyBuffer>()
                                   .Ret<ffi::Buffer<ffi::S32>>()
@@ -870,15 +866,7 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseAttend, Attend,
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectAttend, SelectAttend,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
+                              PagesAndFourArrays()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("splits")
                                   .Attr<int64_t>("page_size")
