@@ -12,9 +12,9 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    threshold search (from the sign bit down, one block-wide count per bit over the row held on
    chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
    page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
-   are compacted in page order (a prefix sum) into a page list. In the sparse step it also
-   zeroes the balanced attention's arrival counter of its list, which would otherwise be an
-   XLA launch of its own.
+   are compacted in page order (a prefix sum) into a page list; it also zeroes the balanced
+   attention's arrival counter of its list (else an XLA launch of its own). Where the CUDA
+   attention's blocks each hold one part of one list, they choose the lists themselves.
    The selection covers the smallest power of two of slots (256 at least) that holds the row's
    pages, and its searches are skipped when the budget covers the row; scoring programs past
    the row's pages only mark their slots. So a short row costs about the same whatever the
@@ -175,19 +175,14 @@ class GpuDecodeTuning:
     select_in_attention: with the CUDA attention, each of its blocks chooses its list's
       pages itself (:func:`pallas_kernels.sparse_attend_cuda.attend_selected_cuda`: no
       selection kernel, no lists in global memory) where even splits give every block one
-      part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where it
-      does not apply), False, or None (where it applies). H200, 32K, budget 2048, the
-      step's device time: 2.1, 4.7, 1.2 and 1.9 us less at batches 2, 4, 8 and 16, equal at
-      1 (BENCHMARKS.md, kernel run AW).
+      part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where not),
+      False, or None (where it applies). H200, 32K, budget 2048, the step's device time 2.1,
+      4.7, 1.2 and 1.9 us less at 2, 4, 8 and 16 rows, equal at 1 (kernel run AW).
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
-      (:func:`score_keys_xla`). H200, 32K, budget 2048, the step alone: xla 111 against 127
-      us at batch 32, 43 against 49 at batch 8, no faster below 4 rows; but inside the
-      rollout engine's decode loop (batch 19) xla made the whole step 9-22% slower from 8K
-      to 32K tokens, its fusion (the same HLO as in the benchmark) taking twice the time
-      there, a cause not yet found (BENCHMARKS.md, kernel run AT, rollout runs U and V):
-      pallas stays the default. The two sum in different orders, so scores equal to within
-      float32 rounding may order differently: the one setting here that can change which of
-      two near-tied pages is chosen.
+      (:func:`score_keys_xla`), whose fusion made the step 12% faster in a benchmark's chain
+      of calls but reads at half that rate in a model, where its arrays are not warm from
+      the call before (BENCHMARKS.md, kernel run AT, rollout runs U-W): pallas is the
+      default. The two sum in different orders, so near-tied pages may be chosen differently.
     """
     block_pages: int | None = None
     splits: int | None = None
