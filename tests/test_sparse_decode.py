@@ -249,9 +249,8 @@ def test_impl_choice(monkeypatch):
 def test_auto_runs_the_kernels_exactly_on_gpu():
     """impl="auto" compiles to the GPU kernels on a GPU (the Pallas scoring, then the CUDA
     attention choosing its lists where it can be built, else the Pallas selection and
-    attention) and to the reference
-    elsewhere, and matches the float64 reference either way (bf16 cache, page 16, head_dim
-    128)."""
+    attention) and to the reference elsewhere, and matches the float64 reference either way
+    (bf16 cache, page 16, head_dim 128)."""
     from pallas_kernels.sparse_attend_cuda import SELECT_TARGET, TARGET, unavailable
     rng = np.random.default_rng(4)
     lengths = np.array([150, 77], np.int32)                  # 10 and 5 pages of 16
