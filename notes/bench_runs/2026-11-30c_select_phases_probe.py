@@ -1,0 +1,176 @@
+"""Probe (session 54, not yet run): where the CUDA attention's in-block choice of pages spends
+its time.
+
+Kernel run AW: at one row the block's choice (``select_part``) costs ~6 us, as the selection
+kernel did, so the time is the choice's chain of rounds, not a launch. This builds the
+library's ``sparse_attend_cuda.cu`` with ``%globaltimer`` stamps written by each block's thread
+0 at the choice's phases, plus a handler that copies them out (as run AR's phases probe,
+``2026-11-29h_cuda_phases_probe.py``, does for the lists' attention), runs the step's own
+scoring and then the choosing attention on bench_decode's case, and prints each phase's time
+since the block's entry to the choice (median and max over the blocks):
+
+0 the choice entered, 1 the row's keys and pages in shared memory, 2-5 each byte round of the
+threshold search done (4 for the top byte, 5 the lowest), 6 ties and ranks scanned, 7 the part
+staged, 8 the part's pages streamed, 9 the block's end (the warps' or the cluster's merge).
+
+If round 2 (the top byte, where keys of one scale share a bin) dominates, aggregate that
+round's atomics per warp; if 1, the keys' load.
+
+    python3 notes/bench_runs/2026-11-30c_select_phases_probe.py --batches 1 8 --out ..
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import sys
+import tempfile
+from pathlib import Path
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "scripts"))
+sys.path.insert(0, str(ROOT))
+
+from bench_decode import HKV, P, decode_inputs  # noqa: E402
+from pallas_kernels import sparse_attend_cuda as sac  # noqa: E402
+from pallas_kernels.cuda_build import build_library, find_nvcc  # noqa: E402
+from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, scored_table  # noqa: E402
+
+MAX_BLOCKS, PHASES = 1024, 10
+
+PRELUDE = f"""
+__device__ unsigned long long g_ph[{MAX_BLOCKS} * {PHASES}];
+__device__ __forceinline__ void rec(int k) {{
+  if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) {{
+    unsigned long long t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    g_ph[blockIdx.x * {PHASES} + k] = t;
+  }}
+}}
+"""
+
+READER = """
+ffi::Error Phases(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::Buffer<ffi::U64>> out) {
+  return Check(cudaMemcpyFromSymbolAsync(out->typed_data(), g_ph, sizeof(g_ph), 0,
+                                         cudaMemcpyDeviceToDevice, stream), "phases");
+}
+"""
+
+EDITS = [   # (anchor, replacement): each anchor must occur once
+    ("constexpr int LIST_UNITS = 8;\n", "constexpr int LIST_UNITS = 8;\n" + PRELUDE),
+    ("  const bool take_all = n <= budget, search = !take_all && k > 0;\n",
+     "  const bool take_all = n <= budget, search = !take_all && k > 0;\n  rec(0);\n"),
+    ("  // Thread t holds slots [lo, hi)", "  rec(1);\n  // Thread t holds slots [lo, hi)"),
+    ("      prefix = static_cast<unsigned>(state[0]);\n",
+     "      prefix = static_cast<unsigned>(state[0]);\n      rec(2 + (24 - shift) / 8);\n"),
+    ("  const int ties_before = block_scan(ties, warp_sums, &total_ties) - ties;\n",
+     "  const int ties_before = block_scan(ties, warp_sums, &total_ties) - ties;\n  rec(6);\n"),
+    ("  __syncthreads();   // the list staged, and the ring free for the pages\n",
+     "  __syncthreads();   // the list staged, and the ring free for the pages\n  rec(7);\n"),
+    ("        attend(i, part.x, part.y, a, true);\n",
+     "        attend(i, part.x, part.y, a, true);\n        rec(8);\n"),
+    ("        finish(i, a, v, static_cast<int64_t>(i) * splits, splits);\n        continue;\n",
+     "        finish(i, a, v, static_cast<int64_t>(i) * splits, splits);\n        rec(9);\n"
+     "        continue;\n"),
+    ("}  // namespace\n", READER + "}  // namespace\n"),
+]
+TAIL = """
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPhases, Phases,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::AnyBuffer>()
+                                  .Ret<ffi::Buffer<ffi::U64>>());
+"""
+
+
+def patched_source() -> str:
+    src = sac.SOURCE.read_text()
+    for anchor, new in EDITS:
+        assert src.count(anchor) == 1, anchor
+        src = src.replace(anchor, new)
+    return src + TAIL
+
+
+def build() -> Path:
+    path = Path(tempfile.gettempdir()) / "sparse_attend_select_phases.cu"
+    path.write_text(patched_source())
+    return build_library(path, find_nvcc())
+
+
+def register(lib: Path) -> None:
+    handle = ctypes.CDLL(str(lib))
+    for sym, target in (("SparrowSparseSelectAttend", "sparrow_select_attend_phases"),
+                        ("SparrowPhases", "sparrow_read_phases")):
+        jax.ffi.register_ffi_target(target, jax.ffi.pycapsule(getattr(handle, sym)),
+                                    platform="CUDA")
+
+
+def case(b: int, context: int, budget: int):
+    """bench_decode's case at batch ``b``: q, pages, the step's keys and padded table, lengths,
+    budgets, the resolved tuning and max_pages."""
+    m = context // P
+    q, kp, vp, cent, table, lengths = decode_inputs(
+        b, context, np.random.default_rng(0).permutation(b * m))
+    kb = budget // P
+    tuning = GpuDecodeTuning(attend="cuda").resolve(page_size=P, batch=b, kv_heads=HKV,
+                                                     max_pages=kb)
+    keys, table, _ = scored_table(q, cent, table, lengths, page_size=P, max_pages=kb,
+                                  tuning=tuning)
+    return q, kp, vp, keys, table, lengths, jnp.full((b,), kb, jnp.int32), tuning, kb
+
+
+def main():
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
+    ap.add_argument("--context", type=int, default=32768)
+    ap.add_argument("--budget", type=int, default=2048)
+    ap.add_argument("--build-only", action="store_true",
+                    help="patch and build the library (a host with nvcc, no GPU needed)")
+    ap.add_argument("--out", default=None)
+    args = ap.parse_args()
+    lib = build()
+    print(f"built {lib}", flush=True)
+    if args.build_only:
+        return
+    register(lib)
+    rows = []
+    for b in args.batches:
+        q, kp, vp, keys, table, lengths, budgets, tuning, kb = case(b, args.context, args.budget)
+        want = sac.attend_selected_cuda(q, kp, vp, keys, table, lengths, budgets, page_size=P,
+                                        max_pages=kb, splits=tuning.splits)
+
+        @jax.jit
+        def step(*a):
+            out = jax.ffi.ffi_call("sparrow_select_attend_phases",
+                                   jax.ShapeDtypeStruct(q.shape, q.dtype))(
+                *a, splits=np.int64(tuning.splits), page_size=np.int64(P),
+                max_pages=np.int64(kb))
+            return out, jax.ffi.ffi_call("sparrow_read_phases", jax.ShapeDtypeStruct(
+                (MAX_BLOCKS, PHASES), jnp.uint64))(out)
+
+        for _ in range(5):   # warm; the last call's stamps are read
+            out, ph = step(q, kp, vp, keys, table, lengths, budgets)
+        ph = np.asarray(ph).astype(np.int64)
+        blocks = b * HKV * tuning.splits
+        ph = ph[:blocks]
+        since = ph - ph[:, :1]
+        phases = {k: dict(median_us=float(np.median(since[:, k])) / 1e3,
+                          max_us=float(since[:, k].max()) / 1e3)
+                  for k in range(1, PHASES) if (ph[:, k] > 0).all()}
+        err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
+        row = dict(batch=b, blocks=blocks, splits=tuning.splits, max_abs_diff=err,
+                   phases=phases)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    if args.out:
+        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
+                                                  argv=sys.argv[1:], rows=rows), indent=1))
+
+
+if __name__ == "__main__":
+    main()
