@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import ctypes
+import importlib.util
 import json
 import sys
 import tempfile
@@ -41,25 +42,14 @@ from pallas_kernels import sparse_attend_cuda as sac  # noqa: E402
 from pallas_kernels.cuda_build import build_library, find_nvcc  # noqa: E402
 from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, scored_table  # noqa: E402
 
-MAX_BLOCKS, PHASES = 1024, 10
-
-PRELUDE = f"""
-__device__ unsigned long long g_ph[{MAX_BLOCKS} * {PHASES}];
-__device__ __forceinline__ void rec(int k) {{
-  if (threadIdx.x == 0 && blockIdx.x < {MAX_BLOCKS}) {{
-    unsigned long long t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    g_ph[blockIdx.x * {PHASES} + k] = t;
-  }}
-}}
-"""
-
-READER = """
-ffi::Error Phases(cudaStream_t stream, ffi::AnyBuffer, ffi::Result<ffi::Buffer<ffi::U64>> out) {
-  return Check(cudaMemcpyFromSymbolAsync(out->typed_data(), g_ph, sizeof(g_ph), 0,
-                                         cudaMemcpyDeviceToDevice, stream), "phases");
-}
-"""
+# Run AR's phases probe beside this file: its stamps (``rec(k)``: each block's thread 0 writes
+# %globaltimer and clock64 for phase k), their reader's handler, and its record.
+_spec = importlib.util.spec_from_file_location(
+    "phases_probe", Path(__file__).with_name("2026-11-29h_cuda_phases_probe.py"))
+phases_probe = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(phases_probe)
+MAX_BLOCKS, PHASES = phases_probe.MAX_BLOCKS, phases_probe.PHASES
+PRELUDE, READER, TAIL = phases_probe.PRELUDE, phases_probe.READER, phases_probe.TAIL
 
 EDITS = [   # (anchor, replacement): each anchor must occur once
     ("constexpr int LIST_UNITS = 8;\n", "constexpr int LIST_UNITS = 8;\n" + PRELUDE),
@@ -79,13 +69,6 @@ EDITS = [   # (anchor, replacement): each anchor must occur once
      "        continue;\n"),
     ("}  // namespace\n", READER + "}  // namespace\n"),
 ]
-TAIL = """
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowPhases, Phases,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::AnyBuffer>()
-                                  .Ret<ffi::Buffer<ffi::U64>>());
-"""
 
 
 def patched_source() -> str:
@@ -150,14 +133,12 @@ def main():
                                    jax.ShapeDtypeStruct(q.shape, q.dtype))(
                 *a, splits=np.int64(tuning.splits), page_size=np.int64(P),
                 max_pages=np.int64(kb))
-            return out, jax.ffi.ffi_call("sparrow_read_phases", jax.ShapeDtypeStruct(
-                (MAX_BLOCKS, PHASES), jnp.uint64))(out)
+            return out, phases_probe.read_phases(out)
 
         for _ in range(5):   # warm; the last call's stamps are read
             out, ph = step(q, kp, vp, keys, table, lengths, budgets)
-        ph = np.asarray(ph).astype(np.int64)
         blocks = b * HKV * tuning.splits
-        ph = ph[:blocks]
+        ph = np.asarray(ph).astype(np.int64)[:blocks, :, 0]   # %globaltimer, ns
         since = ph - ph[:, :1]
         phases = {k: dict(median_us=float(np.median(since[:, k])) / 1e3,
                           max_us=float(since[:, k].max()) / 1e3)
@@ -167,9 +148,7 @@ def main():
                    phases=phases)
         print(json.dumps(row), flush=True)
         rows.append(row)
-    if args.out:
-        Path(args.out).write_text(json.dumps(dict(device=jax.devices()[0].device_kind,
-                                                  argv=sys.argv[1:], rows=rows), indent=1))
+    phases_probe.stages_probe.write_rows(args.out, rows)
 
 
 if __name__ == "__main__":
