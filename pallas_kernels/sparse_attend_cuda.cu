@@ -739,7 +739,8 @@ bool PagesFit(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, int64_t batc
 }
 
 // One launch of the kernel on `programs` blocks (clusters of `cluster`, 1: none), each
-// staging up to `longest` entries at a time, or what the shared memory holds.
+// staging up to `longest` entries at a time, or what the shared memory holds. A `choice` with
+// keys launches the instantiation whose blocks choose their lists (then all `longest` must fit).
 ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
                   const int* lists, const int* slots, const int* counts, const int* lengths,
                   void* out, float* part_o, float* part_lse, int* arrivals, int64_t lists_n,

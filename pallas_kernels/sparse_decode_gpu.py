@@ -506,9 +506,10 @@ def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_s
     ``arrivals``: a fourth output, zeros ``[B, Hkv, 1]`` written by the selection programs, the
     balanced attention's arrival counters (which would otherwise take an XLA launch of their
     own each layer; H100 at 32K: 0.9 us of device time and a launch gap)."""
+    summaries = as_summaries(summaries)
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0],
-                            kv_heads=as_summaries(summaries)[0].shape[0], max_pages=max_pages,
-                            summaries=len(as_summaries(summaries)))
+                            kv_heads=summaries[0].shape[0], max_pages=max_pages,
+                            summaries=len(summaries))
     keys, table, kpad = scored_table(q, summaries, page_table, lengths, page_size=page_size,
                                      max_pages=max_pages, tuning=tuning, interpret=interpret)
     return select_from_keys(keys, table, lengths, budget_pages, page_size=page_size,
