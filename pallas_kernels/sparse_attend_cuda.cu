@@ -394,21 +394,77 @@ struct Choice {
   int batch, width, page_size, max_pages;
 };
 
-constexpr int RESERVED = 3, BINS = 256, THREADS = WARPS * 32;
+constexpr int RESERVED = 3, BINS = 256, ROUNDS = 4, THREADS = WARPS * 32, RUN = 8;
 // The scratch the choice takes from the ring (free until the pages stream): the row's keys
 // and pages (padded: slot s at s + s / 32, so that a thread's run of slots and its
-// neighbours' fall in different banks), the histogram, the warps' sums and the search's state.
+// neighbours' fall in different banks), one histogram a round (16-byte aligned for vector
+// loads; all cleared with the load, so that a round needs one barrier) and the warps' sums.
 __host__ __device__ constexpr int padded(int s) { return s + (s >> 5); }
+__host__ __device__ constexpr int hist_offset(int width) { return (8 * padded(width) + 15) & ~15; }
 constexpr int MAX_CHOICE_WIDTH = 8192;
-static_assert(8 * padded(MAX_CHOICE_WIDTH) + 4 * (BINS + WARPS + 2) <= RING_BYTES);
+static_assert(hist_offset(MAX_CHOICE_WIDTH) + 4 * (ROUNDS * BINS + 3 * WARPS) <= RING_BYTES);
+
+// f(s, key of slot s) for slots [lo, hi) in order, the keys of RUN slots loaded before any is
+// used: otherwise each load waits behind the previous slot's atomic or store.
+template <class F>
+__device__ __forceinline__ void for_keys(const unsigned* key, int lo, int hi, F f) {
+  for (int base = lo; base < hi; base += RUN) {
+    unsigned u[RUN];
+#pragma unroll
+    for (int j = 0; j < RUN; ++j) u[j] = base + j < hi ? key[padded(base + j)] : 0u;
+#pragma unroll
+    for (int j = 0; j < RUN; ++j)
+      if (base + j < hi) f(base + j, u[j]);
+  }
+}
+
+// One round of the threshold's search, run by every warp alike on the round's histogram
+// (bins of the keys' bits from `shift` up, among the keys that match the prefix above them):
+// the bin holding the rest-th largest key, scanned from the top bin down. Moves prefix to
+// that bin, rest to the rank within it; returns the bin's count.
+__device__ __forceinline__ int search_round(const int* hist, int shift, unsigned* prefix,
+                                            int* rest) {
+  const int lane = threadIdx.x & 31;
+  // Lane l holds bins 255 - 8 l .. 248 - 8 l, two 16-byte loads.
+  const int4 top = reinterpret_cast<const int4*>(hist)[(BINS - 4) / 4 - 2 * lane];
+  const int4 low = reinterpret_cast<const int4*>(hist)[(BINS - 8) / 4 - 2 * lane];
+  const int cnt[BINS / 32] = {top.w, top.z, top.y, top.x, low.w, low.z, low.y, low.x};
+  int sum = 0;
+#pragma unroll
+  for (int j = 0; j < BINS / 32; ++j) sum += cnt[j];
+  int incl = sum;
+#pragma unroll
+  for (int d = 1; d < 32; d <<= 1) {
+    const int y = __shfl_up_sync(0xffffffffu, incl, d);
+    if (lane >= d) incl += y;
+  }
+  int run = incl - sum, above = 0, bin = 0, count = 0;   // run: keys in the bins above
+#pragma unroll
+  for (int j = 0; j < BINS / 32; ++j) {
+    if (run < *rest && *rest <= run + cnt[j]) {
+      bin = BINS - 1 - (lane * 8 + j);
+      count = cnt[j];
+      above = run;
+    }
+    run += cnt[j];
+  }
+  // One lane's bins hold it: rest lies in (its keys above, its keys above and its own].
+  const int src = __ffs(__ballot_sync(0xffffffffu, incl - sum < *rest && *rest <= incl)) - 1;
+  *prefix |= static_cast<unsigned>(__shfl_sync(0xffffffffu, bin, src)) << shift;
+  *rest -= __shfl_sync(0xffffffffu, above, src);
+  return __shfl_sync(0xffffffffu, count, src);
+}
 
 // List i's page list chosen as the selection kernel chooses it (docs/design.md, section 3;
 // pallas_kernels/sparse_decode_gpu.py, _select_kernel): a row of n pages with budget K
 // (clipped to [3, max_pages]) takes every page when n <= K, else page 0, its last two and the
 // K - 3 eligible pages of largest key, ties to the lower page. The K - 3-th largest key is
-// found a byte at a time (four rounds of a 256-bin histogram), the ties and the compaction in
-// page order share one block scan. Entries [from, to) of the list, part `split` of `splits`
-// even parts, are staged at s_phys / s_slot; returns from and to.
+// found up to 8 bits a round (a 256-bin histogram), from the highest bit in which the
+// eligible keys differ (the bits above are the same in all of them: keys of one scale share
+// their sign and exponent's top), done early where the bin holding it is taken whole; the
+// ties and the compaction in page order share one block scan. Entries [from, to) of the
+// list, part `split` of `splits` even parts, are staged at s_phys / s_slot; returns from and
+// to.
 __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int length,
                                             int split, int splits, uint8_t* scratch,
                                             int* s_phys, int* s_slot) {
@@ -419,94 +475,89 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
   const bool take_all = n <= budget, search = !take_all && k > 0;
   unsigned* key = reinterpret_cast<unsigned*>(scratch);
   int* page = reinterpret_cast<int*>(key + padded(c.width));
-  int* hist = page + padded(c.width);
-  int* warp_sums = hist + BINS;
-  int* state = warp_sums + WARPS;   // the threshold's bytes so far, the keys still to take
+  int* hist = reinterpret_cast<int*>(scratch + hist_offset(c.width));
+  int* warp_sums = hist + ROUNDS * BINS;
+  unsigned* warp_bits = reinterpret_cast<unsigned*>(warp_sums + WARPS);   // or, and a warp
   const int* key_row = c.keys + (static_cast<int64_t>(h) * c.batch + b) * c.width;
   const int* table_row = c.table + static_cast<int64_t>(b) * c.width;
+  unsigned any = 0u, all = ~0u;   // of the eligible keys (slots 1 .. n - 3)
   for (int s = threadIdx.x; s < n; s += THREADS) {
-    if (search) key[padded(s)] = static_cast<unsigned>(key_row[s]) ^ 0x80000000u;
+    if (search) {
+      const unsigned u = static_cast<unsigned>(key_row[s]) ^ 0x80000000u;
+      key[padded(s)] = u;
+      if (s >= 1 && s < n - 2) any |= u, all &= u;
+    }
     page[padded(s)] = table_row[s];
+  }
+  if (search) {
+    for (int j = threadIdx.x; j < ROUNDS * BINS; j += THREADS) hist[j] = 0;
+    any = __reduce_or_sync(0xffffffffu, any);
+    all = __reduce_and_sync(0xffffffffu, all);
+    if ((threadIdx.x & 31) == 0) {
+      warp_bits[threadIdx.x >> 5] = any;
+      warp_bits[WARPS + (threadIdx.x >> 5)] = all;
+    }
   }
   __syncthreads();
   // Thread t holds slots [lo, hi): block-wide prefix sums then follow page order.
   const int per = (n + THREADS - 1) / THREADS;
   const int lo = min(n, static_cast<int>(threadIdx.x) * per), hi = min(n, lo + per);
-  unsigned prefix = 0u;
+  // The search keeps the threshold's bits found so far (prefix, the bits under `known`) and
+  // how many keys equal to it on those bits are still to take (need).
+  unsigned prefix = 0u, known = ~0u;
   int need = 0;
   if (search) {
-    int rest = k;   // keys still to take at or below the threshold's bytes found so far
+    for (int w = 0; w < WARPS; ++w) any |= warp_bits[w], all &= warp_bits[WARPS + w];
+    const int top = 31 - __clz(any ^ all);   // -1: every eligible key the same
+    known = top == 31 ? 0u : ~0u << (top + 1);
+    prefix = all & known;
+    need = k;
 #pragma unroll 1
-    for (int shift = 24; shift >= 0; shift -= 8) {
-      for (int j = threadIdx.x; j < BINS; j += THREADS) hist[j] = 0;
+    for (int high = top, r = 0; high >= 0; ++r) {
+      const int shift = max(high - 7, 0);
+      int* h_r = hist + r * BINS;
+      for_keys(key, max(lo, 1), min(hi, n - 2), [&](int, unsigned u) {
+        if ((u & known) == prefix) atomicAdd(&h_r[(u >> shift) & (BINS - 1)], 1);
+      });
       __syncthreads();
-      const unsigned high = shift == 24 ? 0u : ~0u << (shift + 8);
-      // Eligible slots only (1 <= s < n - 2): k is below their count, so the rest-th largest
-      // is always among them.
-      for (int s = max(lo, 1); s < min(hi, n - 2); ++s) {
-        const unsigned u = key[padded(s)];
-        if ((u & high) == prefix) atomicAdd(&hist[(u >> shift) & (BINS - 1)], 1);
-      }
-      __syncthreads();
-      if (threadIdx.x < 32) {   // the bin holding the rest-th largest, from the top bin down
-        const int lane = threadIdx.x;
-        int cnt[BINS / 32], sum = 0;   // lane l holds bins 255 - 8 l .. 248 - 8 l
-#pragma unroll
-        for (int j = 0; j < BINS / 32; ++j) sum += (cnt[j] = hist[BINS - 1 - (lane * 8 + j)]);
-        int incl = sum;
-#pragma unroll
-        for (int d = 1; d < 32; d <<= 1) {
-          const int y = __shfl_up_sync(0xffffffffu, incl, d);
-          if (lane >= d) incl += y;
-        }
-        int above = incl - sum;   // keys in the bins above this lane's
-        if (above < rest && rest <= incl) {   // one lane: this one's bins hold it
-          bool found = false;
-#pragma unroll
-          for (int j = 0; j < BINS / 32; ++j) {
-            if (!found && above + cnt[j] >= rest) {
-              found = true;
-              state[0] = static_cast<int>(
-                  prefix | (static_cast<unsigned>(BINS - 1 - (lane * 8 + j)) << shift));
-              state[1] = rest - above;
-            } else if (!found) {
-              above += cnt[j];
-            }
-          }
-        }
-      }
-      __syncthreads();
-      prefix = static_cast<unsigned>(state[0]);
-      rest = state[1];
+      const int count = search_round(h_r, shift, &prefix, &need);
+      known |= ((2u << (high - shift)) - 1u) << shift;   // bits shift .. high
+      high = shift - 1;
+      if (count == need) break;   // the bin is taken whole: its lower bits decide nothing
     }
-    need = rest;
   }
   auto reserved = [&](int s) { return s == 0 || s >= n - 2; };
+  // Per slot: 2 taken for sure (reserved, or above the threshold), 1 a tie, 0 not taken.
+  auto kind = [&](int s, unsigned u) {
+    if (take_all || reserved(s)) return 2;
+    if (!search) return 0;
+    u &= known;
+    return u > prefix ? 2 : u == prefix ? 1 : 0;
+  };
   int sure = 0, ties = 0;
-  for (int s = lo; s < hi; ++s) {
-    const unsigned u = search ? key[padded(s)] : 0u;
-    if (take_all || reserved(s) || (search && u > prefix)) ++sure;
-    else if (search && u == prefix) ++ties;
-  }
-  int total_sure, total_ties;
-  const int sure_before = block_scan(sure, warp_sums, &total_sure) - sure;
-  const int ties_before = block_scan(ties, warp_sums, &total_ties) - ties;
-  const int count = total_sure + min(total_ties, need);
+  for_keys(key, lo, hi, [&](int s, unsigned u) {
+    const int t = kind(s, u);
+    sure += t == 2;
+    ties += t == 1;
+  });
+  // One scan of both counts (each below 2^16: a list has at most MAX_CHOICE_WIDTH slots).
+  int totals;
+  const int before = block_scan((sure << 16) | ties, warp_sums, &totals) - ((sure << 16) | ties);
+  const int sure_before = before >> 16, ties_before = before & 0xffff;
+  const int count = (totals >> 16) + min(totals & 0xffff, need);
   const int each = (count + splits - 1) / splits;
   const int from = min(split * each, count), to = min(from + each, count);
   int rank = sure_before + min(ties_before, need), tie = ties_before;
-  for (int s = lo; s < hi; ++s) {
-    const unsigned u = search ? key[padded(s)] : 0u;
-    bool chosen = take_all || reserved(s) || (search && u > prefix);
-    if (!chosen && search && u == prefix) chosen = tie++ < need;
-    if (chosen) {
+  for_keys(key, lo, hi, [&](int s, unsigned u) {
+    const int t = kind(s, u);
+    if (t == 2 || (t == 1 && tie++ < need)) {
       if (rank >= from && rank < to) {
         s_phys[rank - from] = page[padded(s)];
         s_slot[rank - from] = s;
       }
       ++rank;
     }
-  }
+  });
   __syncthreads();   // the list staged, and the ring free for the pages
   return make_int2(from, to);
 }

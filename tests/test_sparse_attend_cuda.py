@@ -210,6 +210,64 @@ def test_one_row_chosen_in_the_attention_matches_float64(lengths, budgets):
                splits=8)
 
 
+KEY_FAMILIES = {   # int32 keys [n] of a row, as the scoring might hand them over
+    "few_values": lambda rng, n: rng.choice([-5, 0, 3], n),     # ties at the threshold
+    "all_equal": lambda rng, n: np.full(n, 7),                  # no bit differs: all ties
+    "low_bits": lambda rng, n: 1000 + rng.integers(0, 4, n),    # only the lowest bits differ
+    "full_range": lambda rng, n: rng.integers(-2 ** 31 + 1, 2 ** 31, n),
+    "one_scale": lambda rng, n: rng.integers(2 ** 30, 2 ** 30 + 2 ** 20, n),
+}
+
+
+def chosen_lists_np(keys, lengths, budgets, *, width, max_pages):
+    """The selection rule in NumPy: per row and KV head, page 0, the last two and the K - 3
+    eligible pages of largest key (ties to the lower page), every page where the row has at
+    most K -> phys (the table's pages), slots and counts as ``attention_np`` takes them."""
+    hkv, b, _ = keys.shape
+    phys = np.zeros((b, hkv, width), np.int64)
+    slots = np.zeros((b, hkv, width), np.int64)
+    counts = np.zeros((b, hkv, 1), np.int64)
+    for i in range(b):
+        n = min(-(-int(lengths[i]) // P), width)
+        k = min(max(int(budgets[i]), 3), max_pages)
+        for h in range(hkv):
+            if n <= k:
+                chosen = list(range(n))
+            else:
+                eligible = sorted(range(1, n - 2), key=lambda s: (-int(keys[h, i, s]), s))
+                chosen = sorted([0, n - 2, n - 1] + eligible[:k - 3])
+            slots[i, h, :len(chosen)] = chosen
+            counts[i, h, 0] = len(chosen)
+    return slots, counts
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", list(KEY_FAMILIES))
+@pytest.mark.parametrize("splits", [1, 3])
+def test_keys_chosen_in_the_attention_match_the_rule(family, splits):
+    """The in-block choice on keys made to stress its search: ties at the threshold, keys
+    all equal, keys that differ only in their lowest bits or across the whole int32 range,
+    keys of one scale (the top bits shared); budgets from the minimum to past the row."""
+    rng = np.random.default_rng(len(family) + splits)
+    b, hkv, group, width, pool = 4, 2, 2, 300, 1400
+    lengths = np.array([300 * P, 211 * P - 5, 40 * P, 17], np.int32)
+    budgets = np.array([40, 3, 64, 5], np.int32)
+    max_pages = 64
+    keys = np.stack([np.stack([KEY_FAMILIES[family](rng, width) for _ in range(b)])
+                     for _ in range(hkv)]).astype(np.int32)
+    table = rng.permutation(pool)[: b * width].reshape(b, width).astype(np.int32)
+    q = jnp.asarray(rng.standard_normal((b, hkv * group, D)), jnp.bfloat16)
+    k = jnp.asarray(rng.standard_normal((hkv, pool, P, D)) * 2, jnp.bfloat16)
+    v = jnp.asarray(rng.standard_normal((hkv, pool, P, D)), jnp.bfloat16)
+    out = attend_selected_cuda(q, k, v, jnp.asarray(keys), jnp.asarray(table),
+                               jnp.asarray(lengths), jnp.asarray(budgets), page_size=P,
+                               max_pages=max_pages, splits=splits)
+    slots, counts = chosen_lists_np(keys, lengths, budgets, width=width, max_pages=max_pages)
+    phys = np.take_along_axis(table[:, None, :], slots, axis=2)
+    want = attention_np(q, k, v, phys, slots, counts, lengths)
+    assert_kernel_close(as64(out), want, low_precision=True)
+
+
 # ---------------------------------------------------------------- the choice, on any host
 
 def test_choice_between_cuda_and_pallas():

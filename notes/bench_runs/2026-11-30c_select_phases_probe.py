@@ -10,7 +10,8 @@ scoring and then the choosing attention on bench_decode's case, and prints each 
 since the block's entry to the choice (median and max over the blocks):
 
 0 the choice entered, 1 the row's keys and pages in shared memory, 2-5 each byte round of the
-threshold search done (4 for the top byte, 5 the lowest), 6 ties and ranks scanned, 7 the part
+threshold search done (2 for the top byte, 5 the lowest; a round the search did not need has
+no stamp), 6 ties and ranks scanned, 7 the part
 staged, 8 the part's pages streamed, 9 the block's end (the warps' or the cluster's merge).
 
 If round 2 (the top byte, where keys of one scale share a bin) dominates, aggregate that
@@ -56,10 +57,10 @@ EDITS = [   # (anchor, replacement): each anchor must occur once
     ("  const bool take_all = n <= budget, search = !take_all && k > 0;\n",
      "  const bool take_all = n <= budget, search = !take_all && k > 0;\n  rec(0);\n"),
     ("  // Thread t holds slots [lo, hi)", "  rec(1);\n  // Thread t holds slots [lo, hi)"),
-    ("      prefix = static_cast<unsigned>(state[0]);\n",
-     "      prefix = static_cast<unsigned>(state[0]);\n      rec(2 + (24 - shift) / 8);\n"),
-    ("  const int ties_before = block_scan(ties, warp_sums, &total_ties) - ties;\n",
-     "  const int ties_before = block_scan(ties, warp_sums, &total_ties) - ties;\n  rec(6);\n"),
+    ("      const int count = search_round(h_r, shift, &prefix, &need);\n",
+     "      const int count = search_round(h_r, shift, &prefix, &need);\n      rec(2 + r);\n"),
+    ("  const int sure_before = before >> 16, ties_before = before & 0xffff;\n",
+     "  const int sure_before = before >> 16, ties_before = before & 0xffff;\n  rec(6);\n"),
     ("  __syncthreads();   // the list staged, and the ring free for the pages\n",
      "  __syncthreads();   // the list staged, and the ring free for the pages\n  rec(7);\n"),
     ("        attend(i, part.x, part.y, a, true);\n",
@@ -140,9 +141,11 @@ def main():
         blocks = b * HKV * tuning.splits
         ph = np.asarray(ph).astype(np.int64)[:blocks, :, 0]   # %globaltimer, ns
         since = ph - ph[:, :1]
-        phases = {k: dict(median_us=float(np.median(since[:, k])) / 1e3,
-                          max_us=float(since[:, k].max()) / 1e3)
-                  for k in range(1, PHASES) if (ph[:, k] > 0).all()}
+        # A round the search did not need leaves its stamp unwritten (0): such phases count
+        # only the blocks that reached them.
+        phases = {k: dict(median_us=float(np.median(since[hit, k])) / 1e3,
+                          max_us=float(since[hit, k].max()) / 1e3, blocks=int(hit.sum()))
+                  for k in range(1, PHASES) if (hit := ph[:, k] > 0).any()}
         err = float(jnp.max(jnp.abs(out.astype(jnp.float32) - want.astype(jnp.float32))))
         row = dict(batch=b, blocks=blocks, splits=tuning.splits, max_abs_diff=err,
                    phases=phases)
