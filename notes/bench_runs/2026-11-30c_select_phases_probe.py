@@ -1,21 +1,19 @@
-"""Probe (session 54, not yet run): where the CUDA attention's in-block choice of pages spends
-its time.
+"""Probe (session 54; run in session 55, kernel run AX): where the CUDA attention's in-block
+choice of pages spends its time.
 
-Kernel run AW: at one row the block's choice (``select_part``) costs ~6 us, as the selection
-kernel did, so the time is the choice's chain of rounds, not a launch. This builds the
+Kernel run AW: at one row the block's choice (``select_part``) cost ~6 us, as the selection
+kernel did, so the time was the choice's chain of rounds, not a launch. This builds the
 library's ``sparse_attend_cuda.cu`` with ``%globaltimer`` stamps written by each block's thread
 0 at the choice's phases, plus a handler that copies them out (as run AR's phases probe,
 ``2026-11-29h_cuda_phases_probe.py``, does for the lists' attention), runs the step's own
 scoring and then the choosing attention on bench_decode's case, and prints each phase's time
-since the block's entry to the choice (median and max over the blocks):
+since the block's entry to the choice (median and max over the blocks that reached it):
 
-0 the choice entered, 1 the row's keys and pages in shared memory, 2-5 each byte round of the
-threshold search done (2 for the top byte, 5 the lowest; a round the search did not need has
-no stamp), 6 ties and ranks scanned, 7 the part
-staged, 8 the part's pages streamed, 9 the block's end (the warps' or the cluster's merge).
-
-If round 2 (the top byte, where keys of one scale share a bin) dominates, aggregate that
-round's atomics per warp; if 1, the keys' load.
+0 the choice entered, 1 the row's keys and pages in shared memory, 2-5 each round of the
+threshold search done (2 the first; a round the search did not need has no stamp), 6 ties
+and ranks scanned, 7 the part staged, 8 the part's pages streamed, 9 the block's end (the
+warps' or the cluster's merge). Its anchors follow the kernel as of 985d899 (run AX ran it
+on d1d2ca1's kernel with the anchors of then, which git history keeps).
 
     python3 notes/bench_runs/2026-11-30c_select_phases_probe.py --batches 1 8 --out ..
 """
