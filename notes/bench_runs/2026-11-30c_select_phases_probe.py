@@ -70,17 +70,17 @@ EDITS = [   # (anchor, replacement): each anchor must occur once
 ]
 
 
-def patched_source() -> str:
+def patched_source(edits=EDITS) -> str:
     src = sac.SOURCE.read_text()
-    for anchor, new in EDITS:
+    for anchor, new in edits:
         assert src.count(anchor) == 1, anchor
         src = src.replace(anchor, new)
     return src + TAIL
 
 
-def build() -> Path:
+def build(edits=EDITS) -> Path:
     path = Path(tempfile.gettempdir()) / "sparse_attend_select_phases.cu"
-    path.write_text(patched_source())
+    path.write_text(patched_source(edits))
     return build_library(path, find_nvcc())
 
 
@@ -106,7 +106,7 @@ def case(b: int, context: int, budget: int):
     return q, kp, vp, keys, table, lengths, jnp.full((b,), kb, jnp.int32), tuning, kb
 
 
-def main():
+def main(edits=EDITS):
     ap = argparse.ArgumentParser()
     ap.add_argument("--batches", type=int, nargs="+", default=[1, 8])
     ap.add_argument("--context", type=int, default=32768)
@@ -115,7 +115,7 @@ def main():
                     help="patch and build the library (a host with nvcc, no GPU needed)")
     ap.add_argument("--out", default=None)
     args = ap.parse_args()
-    lib = build()
+    lib = build(edits)
     print(f"built {lib}", flush=True)
     if args.build_only:
         return
