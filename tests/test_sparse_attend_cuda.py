@@ -222,9 +222,8 @@ KEY_FAMILIES = {   # int32 keys [n] of a row, as the scoring might hand them ove
 def chosen_lists_np(keys, lengths, budgets, *, width, max_pages):
     """The selection rule in NumPy: per row and KV head, page 0, the last two and the K - 3
     eligible pages of largest key (ties to the lower page), every page where the row has at
-    most K -> phys (the table's pages), slots and counts as ``attention_np`` takes them."""
+    most K -> the chosen slots ``[B, Hkv, width]`` and their counts ``[B, Hkv, 1]``."""
     hkv, b, _ = keys.shape
-    phys = np.zeros((b, hkv, width), np.int64)
     slots = np.zeros((b, hkv, width), np.int64)
     counts = np.zeros((b, hkv, 1), np.int64)
     for i in range(b):
