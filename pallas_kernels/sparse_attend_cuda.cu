@@ -402,6 +402,7 @@ constexpr int RESERVED = 3, BINS = 256, ROUNDS = 4, THREADS = WARPS * 32, RUN = 
 __host__ __device__ constexpr int padded(int s) { return s + (s >> 5); }
 __host__ __device__ constexpr int hist_offset(int width) { return (8 * padded(width) + 15) & ~15; }
 constexpr int MAX_CHOICE_WIDTH = 8192;
+static_assert(MAX_CHOICE_WIDTH <= 32 * THREADS);   // a thread's slots' kinds in one mask
 static_assert(hist_offset(MAX_CHOICE_WIDTH) + 4 * (ROUNDS * BINS + 3 * WARPS) <= RING_BYTES);
 
 // f(s, key of slot s) for slots [lo, hi) in order, the keys of RUN slots loaded before any is
@@ -534,12 +535,15 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
     u &= known;
     return u > prefix ? 2 : u == prefix ? 1 : 0;
   };
-  int sure = 0, ties = 0;
+  // A thread's slots are at most 32 (MAX_CHOICE_WIDTH / THREADS): their kinds kept as two
+  // masks, so that the staging below reads neither the keys nor their kinds again.
+  unsigned sure_bits = 0u, tie_bits = 0u;
   for_keys(key, lo, hi, [&](int s, unsigned u) {
     const int t = kind(s, u);
-    sure += t == 2;
-    ties += t == 1;
+    sure_bits |= static_cast<unsigned>(t == 2) << (s - lo);
+    tie_bits |= static_cast<unsigned>(t == 1) << (s - lo);
   });
+  const int sure = __popc(sure_bits), ties = __popc(tie_bits);
   // One scan of both counts (each below 2^16: a list has at most MAX_CHOICE_WIDTH slots).
   int totals;
   const int before = block_scan((sure << 16) | ties, warp_sums, &totals) - ((sure << 16) | ties);
@@ -548,16 +552,16 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
   const int each = (count + splits - 1) / splits;
   const int from = min(split * each, count), to = min(from + each, count);
   int rank = sure_before + min(ties_before, need), tie = ties_before;
-  for_keys(key, lo, hi, [&](int s, unsigned u) {
-    const int t = kind(s, u);
-    if (t == 2 || (t == 1 && tie++ < need)) {
+  for (unsigned bits = sure_bits | tie_bits; bits != 0u; bits &= bits - 1u) {
+    const int j = __ffs(bits) - 1, s = lo + j;
+    if ((sure_bits >> j & 1u) || tie++ < need) {
       if (rank >= from && rank < to) {
         s_phys[rank - from] = page[padded(s)];
         s_slot[rank - from] = s;
       }
       ++rank;
     }
-  });
+  }
   __syncthreads();   // the list staged, and the ring free for the pages
   return make_int2(from, to);
 }

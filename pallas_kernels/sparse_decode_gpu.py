@@ -176,8 +176,8 @@ class GpuDecodeTuning:
       pages itself (:func:`pallas_kernels.sparse_attend_cuda.attend_selected_cuda`: no
       selection kernel, no lists in global memory) where even splits give every block one
       part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where not),
-      False, or None (where it applies). H200, 32K, budget 2048: the step 1.5-6.3 us shorter
-      by device time at 1-16 rows (kernel runs AW, AX).
+      False, or None (where it applies). H200, 32K, budget 2048: the step 2.8-7.9 us shorter
+      by device time at 1-16 rows (kernel runs AW-AZ).
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
       (:func:`score_keys_xla`), whose fusion made the step 12% faster in a benchmark's chain
       of calls but reads at half that rate in a model, where its arrays are not warm from
