@@ -594,8 +594,9 @@ def main(argv=None):
 
 def summarize(rows):
     """A markdown table: per (context, batch, budget), each implementation's ms, the kernel's
-    (the fastest ``kernel`` variant, else Triton) speedups and fraction of the read ceiling, and the best Triton
-    variant's time, speedup over the Pallas kernel, fraction of the ceiling and error."""
+    (the fastest ``kernel`` variant, else Triton) speedups and fraction of the read ceiling,
+    and the best Triton variant's time, speedup over the Pallas kernel, fraction of the
+    ceiling and error."""
     ok = [r for r in rows if "ms" in r]
     dense = {}
     for r in ok:
@@ -632,7 +633,8 @@ def summarize(rows):
                    f"{d.get('dense_xla_contiguous', float('nan')):.3f} / "
                    f"{d.get('dense_pallas_paged', float('nan')):.3f} | {comp:.3f} | {ref:.3f} | "
                    f"{best['ms']:.3f} ({best['impl']}) | {dbest / best['ms']:.1f} | "
-                   f"{issue5 / best['ms']:.2f} | {comp / best['ms']:.2f} | {100 * best['frac_ceiling']:.0f} | "
+                   f"{issue5 / best['ms']:.2f} | {comp / best['ms']:.2f} | "
+                   f"{100 * best['frac_ceiling']:.0f} | "
                    f"{best['rel_err_vs_ref']:.1e} " + triton_cells)
     for r in ok:
         if r["impl"].startswith("quest_"):

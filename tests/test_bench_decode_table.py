@@ -18,6 +18,12 @@ def load_bench_decode():
     return module
 
 
+def cells(rows) -> dict:
+    """The summary's one table row, keyed by its header."""
+    header, _, line = load_bench_decode().summarize(rows)
+    return dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in line.split("|"))))
+
+
 def row(impl, ms, budget=None, **extra):
     return dict(impl=impl, ms=ms, budget_tokens=budget, context=32768, batch=1,
                 loop="marginal", **extra)
@@ -31,12 +37,11 @@ def test_both_dense_ratios():
             row("dense_cuda_lists", 0.040),
             row("kernel_b4", 0.016, 2048, frac_ceiling=0.2, rel_err_vs_ref=1e-3),
             row("kernel_b4f0", 0.020, 2048, frac_ceiling=0.16, rel_err_vs_ref=1e-3)]
-    header, _, line = load_bench_decode().summarize(rows)
-    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in line.split("|"))))
-    assert cells["kernel ms (best)"] == "0.016 (kernel_b4)"
-    assert cells["x vs dense"] == "2.5"
-    assert cells["x issue 5"] == "3.00"
-    assert cells["% ceiling"] == "20"
+    table = cells(rows)
+    assert table["kernel ms (best)"] == "0.016 (kernel_b4)"
+    assert table["x vs dense"] == "2.5"
+    assert table["x issue 5"] == "3.00"
+    assert table["% ceiling"] == "20"
 
 
 def test_issue_5_ratio_from_the_baseline_measured():
@@ -44,6 +49,4 @@ def test_issue_5_ratio_from_the_baseline_measured():
     0.060 / 0.020 = 3.00x."""
     rows = [row("dense_pallas_paged", 0.060),
             row("kernel_b4", 0.020, 2048, frac_ceiling=0.2, rel_err_vs_ref=1e-3)]
-    header, _, line = load_bench_decode().summarize(rows)
-    cells = dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in line.split("|"))))
-    assert cells["x issue 5"] == "3.00"
+    assert cells(rows)["x issue 5"] == "3.00"
