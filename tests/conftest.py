@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import importlib.util
 import json
 import os
 import subprocess
@@ -36,6 +37,16 @@ REPO = Path(__file__).resolve().parents[1]
 SIMULATED_DEVICES = 8
 HF_FIXTURES = REPO / "tests" / "fixtures" / "hf"
 HF_PYTHON = REPO / ".venv-hf" / "bin" / "python"
+
+
+def load_script(name: str):
+    """``scripts/<name>.py`` as a module, for tests that call its functions; registered in
+    ``sys.modules`` under its name (dataclasses look their module up there)."""
+    spec = importlib.util.spec_from_file_location(name, REPO / "scripts" / f"{name}.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
 
 
 def max_rel_err(actual, reference) -> float:

@@ -4,23 +4,12 @@ GPU targets are stated in, side by side."""
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
-REPO = Path(__file__).resolve().parents[1]
-
-
-def load_bench_decode():
-    spec = importlib.util.spec_from_file_location("bench_decode",
-                                                  REPO / "scripts" / "bench_decode.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from conftest import load_script
 
 
 def cells(rows) -> dict:
     """The summary's one table row, keyed by its header."""
-    header, _, line = load_bench_decode().summarize(rows)
+    header, _, line = load_script("bench_decode").summarize(rows)
     return dict(zip((c.strip() for c in header.split("|")), (c.strip() for c in line.split("|"))))
 
 

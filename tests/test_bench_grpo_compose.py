@@ -3,21 +3,16 @@ training, against a hand-worked example."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
 import pytest
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def bench_grpo():
-    spec = importlib.util.spec_from_file_location("bench_grpo", REPO / "scripts/bench_grpo.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("bench_grpo")
 
 
 def run(schedule, recompute, update, tokens):

@@ -4,21 +4,15 @@ moving average over the steps that have a value."""
 
 from __future__ import annotations
 
-import importlib.util
-
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def script():
-    spec = importlib.util.spec_from_file_location("distill_experiment",
-                                                  REPO / "scripts" / "distill_experiment.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_script("distill_experiment")
 
 
 def test_reward_check_hand_worked(script):

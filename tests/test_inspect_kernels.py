@@ -6,21 +6,17 @@ from __future__ import annotations
 
 import importlib.util
 import json
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("triton") is None,
                                 reason="needs the triton package (its compiler and cuobjdump)")
 
 
 def test_report_of_the_sparse_step(tmp_path):
-    spec = importlib.util.spec_from_file_location("inspect_kernels",
-                                                  REPO / "scripts" / "inspect_kernels.py")
-    inspect_kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(inspect_kernels)
+    inspect_kernels = load_script("inspect_kernels")
     assert inspect_kernels.main(["--out", str(tmp_path), "--configs", "b4", "--batch", "2",
                                  "--context", "4096", "--budget", "512"]) == 0
     kernels = json.loads((tmp_path / "report.json").read_text())["kernels"]
@@ -38,10 +34,7 @@ def test_report_of_the_sparse_step(tmp_path):
 
 
 def test_a_cuda_attention_variant_is_refused_in_one_line(tmp_path, capsys):
-    spec = importlib.util.spec_from_file_location("inspect_kernels",
-                                                  REPO / "scripts" / "inspect_kernels.py")
-    inspect_kernels = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(inspect_kernels)
+    inspect_kernels = load_script("inspect_kernels")
     with pytest.raises(SystemExit) as e:
         inspect_kernels.main(["--out", str(tmp_path / "k"), "--configs", "b4", "b4p0"])
     assert e.value.code == 2

@@ -3,13 +3,12 @@ alpha == 1 wherever the budget holds every page of every sequence (sparse = dens
 
 from __future__ import annotations
 
-import importlib.util
 import json
 
 import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import load_script
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.mismatch import ESTIMATORS
 from sparrow_jax.models.hf_io import save_qwen3
@@ -23,14 +22,6 @@ PROMPT_LEN = (28, 40)
 BIG = 16
 
 
-def _load_script():
-    spec = importlib.util.spec_from_file_location("measure_mismatch",
-                                                  REPO / "scripts" / "measure_mismatch.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("mismatch")
@@ -39,7 +30,7 @@ def run(tmp_path_factory):
                       eos_token_ids=(0,))
     save_qwen3(init_model(cfg, seed=1), tmp / "model")
     out = tmp / "out"
-    result = _load_script().main([
+    result = load_script("measure_mismatch").main([
         "--model", str(tmp / "model"), "--needle-len", f"{PROMPT_LEN[0]},{PROMPT_LEN[1]}",
         "--budgets", f"3,{BIG}", "--page-size", str(P), "--dense-layers", "0",
         "--bin-tokens", "16", "--min-count", "4", "--max-new-tokens", str(MAX_NEW),

@@ -5,25 +5,19 @@ hung in NCCL's clique set-up until the driver killed it)."""
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import sys
-from pathlib import Path
 
 import pytest
 
-REPO = Path(__file__).resolve().parents[1]
+from conftest import load_script
 
 
 @pytest.fixture(scope="module")
 def multi_gpu():
-    spec = importlib.util.spec_from_file_location("multi_gpu", REPO / "scripts" / "multi_gpu.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module     # its dataclasses look their module up there
     try:
-        spec.loader.exec_module(module)
-        yield module
+        yield load_script("multi_gpu")
     finally:
-        sys.modules.pop(spec.name, None)
+        sys.modules.pop("multi_gpu", None)
 
 
 def grpo_stages(multi_gpu, memory, tmp_path, monkeypatch, only=None):
