@@ -33,6 +33,21 @@ def _release_compiled_programs():
     gc.collect()
 
 
+from sparrow_jax.config import ModelConfig  # noqa: E402  (after the precision policy)
+
+# The engine tests' model: two layers, GQA 4/2, small enough to compile in seconds on CPU.
+TINY_ENGINE = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128,
+                          num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                          head_dim=16)
+
+
+def random_prompts(lengths, vocab: int = TINY_ENGINE.vocab_size, seed: int = 0) -> list:
+    """One prompt of each length in ``lengths``: token ids drawn uniformly from 1..vocab-1
+    (0 left out) by a NumPy generator of ``seed``."""
+    rng = np.random.default_rng(seed)
+    return [rng.integers(1, vocab, n).tolist() for n in lengths]
+
+
 REPO = Path(__file__).resolve().parents[1]
 SIMULATED_DEVICES = 8
 HF_FIXTURES = REPO / "tests" / "fixtures" / "hf"

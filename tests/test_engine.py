@@ -9,18 +9,17 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from conftest import TINY_ENGINE, random_prompts
 from sparrow_jax.attention.allocator import PoolExhaustedError
 from sparrow_jax.attention.teacher_forced import TeacherForcedBudgets, make_teacher_forced_attend
-from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model, logits_from_hidden
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-V = 48
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
+V = CFG.vocab_size
 # Prompts ending mid-page, on a page boundary and after several pages.
 PROMPT_LENGTHS = (5, 8, 21)
 
@@ -31,8 +30,7 @@ def model():
 
 
 def _prompts(lengths=PROMPT_LENGTHS, seed=0):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(1, V, n).tolist() for n in lengths]
+    return random_prompts(lengths, seed=seed)
 
 
 def _config(**kw):

@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from sparrow_jax.config import ModelConfig
+from conftest import TINY_ENGINE, random_prompts
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout import engine
 from sparrow_jax.rollout.decode_loop import table_width
@@ -16,9 +16,7 @@ from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-V = 48
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
 
 
 def test_table_width():
@@ -32,8 +30,7 @@ def test_table_width():
 @pytest.mark.parametrize("sparse", [False, True])
 def test_buckets_give_the_full_table_rollout(sparse, monkeypatch):
     model = init_model(CFG, seed=0)
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, V, n).tolist() for n in (5, 8, 21)]
+    prompts = random_prompts((5, 8, 21))
     schedule = BudgetSchedule.fixed(4, page_size=P) if sparse else None
     widths = []
     run_chunk = engine.run_chunk

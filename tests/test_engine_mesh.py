@@ -24,13 +24,11 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import run_on_simulated_devices
-from sparrow_jax.config import ModelConfig
+from conftest import TINY_ENGINE, random_prompts, run_on_simulated_devices
 
 P = 4
-V = 48
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
+V = CFG.vocab_size
 LENGTHS = (5, 8, 21, 3, 13)   # 5 prompts: most meshes need placeholder prompts
 N, R = 2, 10
 MAX_GAP = 1e-5                # a token may differ only where the draw was this close to a tie
@@ -99,8 +97,8 @@ def test_decode_kernels_on_a_tensor_split_in_bfloat16():
                            prompt_multiple=32, steps_per_call=R, dense_layers=(0,), page_seed=3,
                            table_bucket_pages=None)
     schedule, key = BudgetSchedule.fixed(3, page_size=P), jax.random.key(4)
-    ref = generate(model, _prompts(), config, key, schedule)
-    got = generate(model, _prompts(), config, key, schedule,
+    ref = generate(model, random_prompts(LENGTHS), config, key, schedule)
+    got = generate(model, random_prompts(LENGTHS), config, key, schedule,
                    mesh=jax.make_mesh((1, 1, 2), ("data", "fsdp", "tensor"),
                                       devices=jax.devices()[:2]))
     rt, gt = np.asarray(ref.tokens), np.asarray(got.tokens)
@@ -135,11 +133,6 @@ def _meshes(requested: list[tuple[int, int, int]], devices: int) -> list[tuple[i
     scaled = [(d, 1, 1), (2, d // 2, 1), (2, 2, d // 4), (1, d, 1), (1, d // 2, 2)]
     return list(dict.fromkeys(m for m in scaled if np.prod(m) == d
                               and m[2] <= CFG.num_key_value_heads and min(m) >= 1))
-
-
-def _prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
 
 
 def _check_pool_is_split(mesh) -> None:
@@ -250,28 +243,28 @@ def main(argv: list[str]) -> None:
     schedule = BudgetSchedule.fixed(3, page_size=P)   # sparse: below most rows' page count
     key = jax.random.key(4)
     t0 = time.perf_counter()
-    ref = generate(model, _prompts(), config, key, schedule)
+    ref = generate(model, random_prompts(LENGTHS), config, key, schedule)
     print(f"one device: {time.perf_counter() - t0:.1f} s")
     for shape in meshes:
         mesh = jax.make_mesh(shape, ("data", "fsdp", "tensor"))
         _check_pool_is_split(mesh)
         t0 = time.perf_counter()
-        got = generate(model, _prompts(), config, key, schedule, mesh=mesh)
+        got = generate(model, random_prompts(LENGTHS), config, key, schedule, mesh=mesh)
         print(f"mesh {shape}: {time.perf_counter() - t0:.1f} s")
         _compare(ref, got, key, f"mesh {shape}")
     if any(m[2] > 1 for m in meshes):
         adapted = _adapted_model()
         config = dataclasses.replace(config, logprob_top_k=V + 1)
-        ref = generate(adapted, _prompts(), config, key, schedule, lora=True)
+        ref = generate(adapted, random_prompts(LENGTHS), config, key, schedule, lora=True)
         for shape in (m for m in meshes if m[2] > 1):
-            got = generate(adapted, _prompts(), config, key, schedule, lora=True,
+            got = generate(adapted, random_prompts(LENGTHS), config, key, schedule, lora=True,
                            mesh=jax.make_mesh(shape, ("data", "fsdp", "tensor")))
             _compare(ref, got, key, f"biases, LoRA and vocabulary {V + 1} on mesh {shape}")
     bad = jax.make_mesh((1, devices // 4, 4), ("data", "fsdp", "tensor")) if devices % 4 == 0 \
         else None
     if bad is not None:
         try:
-            generate(model, _prompts(), config, key, schedule, mesh=bad)
+            generate(model, random_prompts(LENGTHS), config, key, schedule, mesh=bad)
         except ValueError as e:
             assert "tensor=4 must divide the model's 2 KV heads" in str(e), e
         else:

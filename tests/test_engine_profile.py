@@ -9,15 +9,14 @@ from jax._src.dispatch import BACKEND_COMPILE_EVENT
 import numpy as np
 import pytest
 
-from sparrow_jax.config import ModelConfig
+from conftest import TINY_ENGINE
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig, decode_chunk
 from sparrow_jax.rollout.profile import _normal_like, at_context, fixed_context_batch, time_context
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-CFG = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
 
 
 def test_time_context_runs_the_engine_chunk_at_the_context():

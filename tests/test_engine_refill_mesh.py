@@ -22,7 +22,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import run_on_simulated_devices
+from conftest import random_prompts, run_on_simulated_devices
 from test_engine_mesh import CFG, N, P, R, V, _compare
 
 LENGTHS = (5, 8, 21, 3, 13, 17, 2, 9, 22, 6, 11, 4)   # 12 prompts: 8 shards hold 2, 2, ..., 0, 0
@@ -46,11 +46,6 @@ def test_refill_on_a_2x2x2_mesh_equals_the_static_engine():
 def test_refill_on_every_mesh_equals_the_static_engine():
     out = _run("2,2,2", "8,1,1")
     assert f"checked {2 * 2 * (len(SLOTS) + 1)} refill runs" in out, out
-
-
-def _prompts():
-    rng = np.random.default_rng(1)
-    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
 
 
 def main(argv: list[str]) -> None:
@@ -79,14 +74,14 @@ def main(argv: list[str]) -> None:
         preempted = {True: 0, False: 0}
         narrowed = 0
         for caps in (None, CAPS):
-            ref = generate(model, _prompts(), config, key, schedule, mesh=mesh,
+            ref = generate(model, random_prompts(LENGTHS, seed=1), config, key, schedule, mesh=mesh,
                            max_new_tokens=caps)
             # With the caps, the tail narrows to as few as 1 slot per shard (rows gathered
             # within each shard).
             tail = shards if caps is not None else None
             for slots, pool in runs:
                 chunks = []
-                got, stats = run_refill(model, _prompts(),
+                got, stats = run_refill(model, random_prompts(LENGTHS, seed=1),
                                         dataclasses.replace(config, num_pages=pool), key,
                                         schedule, slots=slots * shards, max_new_tokens=caps,
                                         mesh=mesh, on_chunk=chunks.append, tail_slots=tail)

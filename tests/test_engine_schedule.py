@@ -8,7 +8,7 @@ import jax
 import numpy as np
 import pytest
 
-from sparrow_jax.config import ModelConfig
+from conftest import TINY_ENGINE, random_prompts
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout import budget
 from sparrow_jax.rollout.decode_loop import run_chunk
@@ -16,9 +16,7 @@ from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-V = 48
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
 BIN = 8          # tokens per bin: prompts of 5..21 tokens plus 24 new cross several bins
 BINS = 5
 
@@ -26,11 +24,6 @@ BINS = 5
 @pytest.fixture(scope="module")
 def model():
     return init_model(CFG, seed=0)
-
-
-def _prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(1, V, n).tolist() for n in (5, 13, 21)]
 
 
 def _config(**kw):
@@ -83,7 +76,7 @@ def test_ten_tables_one_compilation_same_tokens(model):
     # Gathers 11 pages where each table alone gathers 9: the fresh runs below are another
     # program (the static path, the gather width from the table itself).
     bound = BudgetSchedule.fixed(3 + 8, page_size=P)
-    prompts = _prompts()
+    prompts = random_prompts((5, 13, 21))
     config = _config()
     key = jax.random.key(0)
     before = run_chunk._cache_size()
@@ -115,13 +108,13 @@ def test_schedule_above_its_bound_is_refused(model):
     above = BudgetSchedule.from_table((2, 5, 5, 6, 6), BIN, page_size=P)
     with pytest.raises(ValueError, match="schedule_bound: the schedule gives 8 pages at length "
                                          "8, above the bound's 7"):
-        generate(model, _prompts(), _config(), jax.random.key(0), schedule=above,
+        generate(model, random_prompts((5, 13, 21)), _config(), jax.random.key(0), schedule=above,
                  schedule_bound=bound)
     # Past the batch's reach, a table bin above the bound is refused too.
     late = BudgetSchedule.from_table((0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 9), BIN, page_size=P)
     with pytest.raises(ValueError, match="at length 80, above the bound's 9"):
-        generate(model, _prompts(), _config(), jax.random.key(0), schedule=late,
+        generate(model, random_prompts((5, 13, 21)), _config(), jax.random.key(0), schedule=late,
                  schedule_bound=bound)
     with pytest.raises(ValueError, match="schedule_bound counts pages of 16 tokens"):
-        generate(model, _prompts(), _config(), jax.random.key(0), schedule=bound,
+        generate(model, random_prompts((5, 13, 21)), _config(), jax.random.key(0), schedule=bound,
                  schedule_bound=BudgetSchedule.fixed(9))

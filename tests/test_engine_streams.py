@@ -8,7 +8,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from sparrow_jax.config import ModelConfig
+from conftest import TINY_ENGINE, random_prompts
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.rollout.sampling import (SamplingParams, sample_from_logprobs, step_keys,
@@ -16,9 +16,7 @@ from sparrow_jax.rollout.sampling import (SamplingParams, sample_from_logprobs, 
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-V = 48
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
 LENGTHS = (5, 8, 21, 3)
 R = 10
 
@@ -26,11 +24,6 @@ R = 10
 @pytest.fixture(scope="module")
 def model():
     return init_model(CFG, seed=0)
-
-
-def _prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
 
 
 def _config(n):
@@ -67,7 +60,7 @@ def _same(got, want, count):
 
 
 def test_samples_do_not_depend_on_the_batch(model):
-    prompts = _prompts()
+    prompts = random_prompts(LENGTHS)
     key = jax.random.key(11)
     ids = list(range(len(prompts)))
     # Every call has 12 rows: one compilation of the decode loop.
@@ -109,6 +102,7 @@ def test_row_keys_draw_each_row_from_its_own_stream():
 
 def test_bad_prompt_ids_are_named(model):
     with pytest.raises(ValueError, match="prompt_ids must be 2 ints"):
-        generate(model, _prompts()[:2], _config(1), jax.random.key(0), prompt_ids=[0])
+        generate(model, random_prompts(LENGTHS)[:2], _config(1), jax.random.key(0), prompt_ids=[0])
     with pytest.raises(ValueError, match="prompt_ids must be 2 ints"):
-        generate(model, _prompts()[:2], _config(1), jax.random.key(0), prompt_ids=[0, -1])
+        generate(model, random_prompts(LENGTHS)[:2], _config(1), jax.random.key(0),
+                 prompt_ids=[0, -1])

@@ -9,7 +9,7 @@ import jax
 import numpy as np
 import pytest
 
-from sparrow_jax.config import ModelConfig
+from conftest import TINY_ENGINE, random_prompts
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig, generate
 from sparrow_jax.rollout.refill import generate_refill, run_refill
@@ -18,9 +18,7 @@ from sparrow_jax.rollout.types import FinishReason
 from sparrow_jax.schedule import BudgetSchedule
 
 P = 4
-V = 48
-CFG = ModelConfig(vocab_size=V, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                  num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+CFG = TINY_ENGINE
 LENGTHS = (5, 8, 21, 3, 13)
 N = 3
 R = 12
@@ -34,11 +32,6 @@ SCHEDULES = {"dense": None, "sparse": BudgetSchedule.fixed(3, page_size=P)}
 @pytest.fixture(scope="module")
 def model():
     return init_model(CFG, seed=0)
-
-
-def _prompts():
-    rng = np.random.default_rng(0)
-    return [rng.integers(1, V, n).tolist() for n in LENGTHS]
 
 
 def _config(temperature, num_pages):
@@ -56,7 +49,7 @@ def _static(model, temperature, schedule_name):
     """The static engine's rollout (cached per case: the reference of several slot counts)."""
     case = (temperature, schedule_name)
     if case not in _STATIC:
-        _STATIC[case] = generate(model, _prompts(), _config(temperature, BIG_POOL),
+        _STATIC[case] = generate(model, random_prompts(LENGTHS), _config(temperature, BIG_POOL),
                                  jax.random.key(5), SCHEDULES[schedule_name])
     return _STATIC[case]
 
@@ -82,9 +75,9 @@ def _check_same(got, want):
 
 
 def _run(model, temperature, schedule_name, slots, pool, prefill_rows, **kw):
-    ro, stats = run_refill(model, _prompts(), _config(temperature, pool), jax.random.key(5),
-                           SCHEDULES[schedule_name], slots=slots, prefill_rows=prefill_rows,
-                           **kw)
+    ro, stats = run_refill(model, random_prompts(LENGTHS), _config(temperature, pool),
+                           jax.random.key(5), SCHEDULES[schedule_name], slots=slots,
+                           prefill_rows=prefill_rows, **kw)
     # Every sample came back exactly once (each row written by one harvest), every page freed.
     assert stats.admissions - stats.preemptions == stats.returned == len(LENGTHS) * N
     assert len(np.unique(np.asarray(ro.prompt_index))) == len(LENGTHS)
@@ -137,10 +130,10 @@ def test_a_running_row_moved_to_a_lower_slot_keeps_its_stream(model, monkeypatch
     then 2 slots, a running row in a higher slot moving down (the replay shows it), and the
     moved rows sample their remaining tokens at temperature 1 as the static engine does."""
     config = dataclasses.replace(_config(1.0, BIG_POOL), eos_ids=())
-    want = generate(model, _prompts(), config, jax.random.key(5), max_new_tokens=CAPS)
+    want = generate(model, random_prompts(LENGTHS), config, jax.random.key(5), max_new_tokens=CAPS)
     chunks = []
-    ro, _ = run_refill(model, _prompts(), config, jax.random.key(5), slots=5, tail_slots=1,
-                       max_new_tokens=CAPS, on_chunk=chunks.append)
+    ro, _ = run_refill(model, random_prompts(LENGTHS), config, jax.random.key(5), slots=5,
+                       tail_slots=1, max_new_tokens=CAPS, on_chunk=chunks.append)
     _check_same(ro, want)
     assert [c["slots"] for c in chunks][-2:] == [4, 2]
     moves, narrow = [], RefillScheduler.narrow
@@ -161,8 +154,8 @@ def test_a_running_row_moved_to_a_lower_slot_keeps_its_stream(model, monkeypatch
 
 def test_tail_slots_are_checked(model):
     with pytest.raises(ValueError, match="tail_slots must be .* got 3"):
-        generate_refill(model, _prompts(), _config(0.0, BIG_POOL), jax.random.key(0), slots=2,
-                        tail_slots=3)
+        generate_refill(model, random_prompts(LENGTHS), _config(0.0, BIG_POOL), jax.random.key(0),
+                        slots=2, tail_slots=3)
 
 
 @pytest.mark.slow
@@ -176,14 +169,14 @@ def test_refill_equals_static_matrix(model, temperature, schedule_name, slots, p
 
 def test_refill_pool_too_small(model):
     with pytest.raises(ValueError, match="cannot hold one sample"):
-        generate_refill(model, _prompts(), _config(0.0, 9), jax.random.key(0), slots=2)
+        generate_refill(model, random_prompts(LENGTHS), _config(0.0, 9), jax.random.key(0), slots=2)
 
 
 @pytest.mark.slow
 def test_refill_one_slot_matches_with_more_samples(model):
     # n = 4 through one slot: each sample prefilled alone; samples 0 .. 2 are those of n = 3.
     config = dataclasses.replace(_config(1.0, SMALL_POOL), n=4)
-    ro = generate_refill(model, _prompts()[:2], config, jax.random.key(5),
+    ro = generate_refill(model, random_prompts(LENGTHS)[:2], config, jax.random.key(5),
                          SCHEDULES["sparse"], slots=1)
     want = _rows(_static(model, 1.0, "sparse"))
     got = _rows(ro)
@@ -201,8 +194,8 @@ def test_per_prompt_caps_static_and_refill(model, temperature, schedule_name):
     engine's, same streams) cut at the cap, finish LENGTH there; refill gives the same."""
     full = _rows(_static(model, temperature, schedule_name))
     config = _config(temperature, BIG_POOL)
-    capped = generate(model, _prompts(), config, jax.random.key(5), SCHEDULES[schedule_name],
-                      max_new_tokens=CAPS)
+    capped = generate(model, random_prompts(LENGTHS), config, jax.random.key(5),
+                      SCHEDULES[schedule_name], max_new_tokens=CAPS)
     got = _rows(capped)
     cut = 0
     for b, (g, w) in enumerate(zip(got, full)):
@@ -215,7 +208,7 @@ def test_per_prompt_caps_static_and_refill(model, temperature, schedule_name):
         np.testing.assert_allclose(g[2], w[2][:len(g[1])], rtol=1e-5, atol=1e-5)
         np.testing.assert_array_equal(g[3], w[3][:len(g[1])])
     assert cut >= 3                 # the caps did cut rows
-    ro, stats = run_refill(model, _prompts(), _config(temperature, SMALL_POOL),
+    ro, stats = run_refill(model, random_prompts(LENGTHS), _config(temperature, SMALL_POOL),
                            jax.random.key(5), SCHEDULES[schedule_name], slots=5, prefill_rows=5,
                            max_new_tokens=CAPS)
     _check_same(ro, capped)
@@ -229,8 +222,8 @@ def test_per_prompt_caps_are_checked(model):
                         (13, r"max_new_tokens\[0\]=13 outside"),
                         ((3.0, 1, 1, 1, 1), "max_new_tokens must be one int")]:
         with pytest.raises(ValueError, match=match):
-            generate(model, _prompts(), _config(0.0, BIG_POOL), jax.random.key(0),
+            generate(model, random_prompts(LENGTHS), _config(0.0, BIG_POOL), jax.random.key(0),
                      max_new_tokens=caps)
         with pytest.raises(ValueError, match=match):
-            generate_refill(model, _prompts(), _config(0.0, BIG_POOL), jax.random.key(0),
-                            slots=2, max_new_tokens=caps)
+            generate_refill(model, random_prompts(LENGTHS), _config(0.0, BIG_POOL),
+                            jax.random.key(0), slots=2, max_new_tokens=caps)

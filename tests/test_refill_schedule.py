@@ -8,6 +8,7 @@ import jax
 import numpy as np
 import pytest
 
+from conftest import random_prompts
 from sparrow_jax.config import ModelConfig
 from sparrow_jax.models.qwen3 import init_model
 from sparrow_jax.rollout.engine import RolloutConfig
@@ -30,8 +31,7 @@ def model():
     (2, 11, 2, None, None), (5, 11, None, None, None), (4, 200, 2, 4, None),
     (8, 11, 2, None, 1), (16, 200, 4, None, 2)])
 def test_simulated_chunks_are_the_real_ones(model, slots, pool, prefill_rows, bucket, tail):
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, V, n).tolist() for n in LENGTHS]
+    prompts = random_prompts(LENGTHS, vocab=V)
     config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
                            prompt_multiple=32, steps_per_call=3, page_seed=3, eos_ids=(),
                            table_bucket_pages=bucket, num_pages=pool)
@@ -87,8 +87,7 @@ def test_growth_continues_a_contiguous_run():
 def test_contiguous_refill_samples_as_scattered(model):
     """Placement changes nothing a row computes: the same tokens with contiguous pages, and the
     same chunks as the replay."""
-    rng = np.random.default_rng(0)
-    prompts = [rng.integers(1, V, n).tolist() for n in LENGTHS]
+    prompts = random_prompts(LENGTHS, vocab=V)
     outs = []
     for contiguous in (False, True):
         config = RolloutConfig(n=N, max_new_tokens=R, temperature=1.0, page_size=P,
