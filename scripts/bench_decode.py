@@ -26,7 +26,9 @@ neither merge nor skip them), after warm-up; the median of ``--repeats`` runs, p
 apart) and the difference of their medians per call, which leaves out what each timed program
 costs once (its dispatch, graph launch and the wait for its end, ~0.3 ms on an H100: 15 us a
 call in a chain of 20). Each sparse output is checked against the XLA reference (float32
-math) before it is timed.
+math) before it is timed. ``--clocks`` records the GPU's SM and memory clocks sampled while
+each row is timed (``sparrow_jax.clock_sampler``), since a latency-bound step moves with the
+SM clock and the dense baselines with the memory's.
 
     PYTHONPATH=. python3 scripts/bench_decode.py --out $OUT/bench_decode.json
 
@@ -59,10 +61,11 @@ from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
-from sparrow_jax.benchmarking import (chained, contiguous_attention, marginal_seconds,
-                                      median_seconds, profile_calls, read_ceiling)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_pallas_jax
 from sparrow_jax.attention.sparse import sparse_decode
+from sparrow_jax.benchmarking import (chained, contiguous_attention, marginal_seconds,
+                                      median_seconds, profile_calls, read_ceiling)
+from sparrow_jax.clock_sampler import ClockSampler
 from sparrow_jax.decode_bench import DecodeShape, random_case
 
 HQ, HKV, D, P = 32, 8, 128, 16
@@ -389,6 +392,9 @@ def main(argv=None):
     ap.add_argument("--contiguous-table", action="store_true",
                     help="diagnostic: each sequence's pages consecutive in the pool (the same "
                          "bytes as the default scattered table, read in address order)")
+    ap.add_argument("--clocks", action="store_true",
+                    help="sample the GPU's SM and memory clocks (nvidia-smi) while each row is "
+                         "timed: median, minimum and samples in the row's JSON")
     ap.add_argument("--interpret", action="store_true",
                     help="run the Pallas kernels interpreted (a CPU dry run at small sizes)")
     args = ap.parse_args(argv)
@@ -549,11 +555,15 @@ def main(argv=None):
                     unrolled = {args.chain: chained(fn, args.chain, unroll=True)}
                     runs = {loop: (chained(fn, args.chain) if loop == "fori"
                                    else unrolled[args.chain]) for loop in args.loops}
-                    times = {loop: (marginal_seconds(fn, fn_args, args.chain, args.repeats,
-                                                     runs=unrolled)
-                                    if loop == "marginal" else
-                                    median_seconds(run, fn_args, args.repeats) / args.chain)
-                             for loop, run in runs.items()}
+                    times, clocks = {}, {}
+                    for loop, run in runs.items():
+                        with ClockSampler(enabled=args.clocks) as cs:
+                            times[loop] = (marginal_seconds(fn, fn_args, args.chain,
+                                                            args.repeats, runs=unrolled)
+                                           if loop == "marginal" else
+                                           median_seconds(run, fn_args, args.repeats)
+                                           / args.chain)
+                        clocks[loop] = cs.summary
                 except Exception as e:  # a variant that fails to build is a result too
                     msg = f"{type(e).__name__}: {e}"
                     print(f"{name} ctx={ctx} b={b}: FAILED {msg[:2000]}", flush=True)
@@ -567,6 +577,8 @@ def main(argv=None):
                                ms=t * 1e3, bytes=nbytes, gb_per_s=nbytes / t / 1e9,
                                frac_ceiling=nbytes / t / 1e9 / ceilings[loop],
                                rel_err_vs_ref=err)
+                    if clocks[loop] is not None:
+                        row["clocks"] = clocks[loop]
                     if args.trace and name.startswith("kernel_"):
                         lines = profile_calls(runs[loop], fn_args, args.chain)
                         busiest = max(lines.values(), key=lambda entry: entry["total_us"])
