@@ -1,10 +1,11 @@
 """The GPU's clocks while a benchmark times something, sampled by ``nvidia-smi``.
 
 Latency-bound calls (a sparse decode step at one row) run at the SM clock's pace, bandwidth-bound
-ones (a dense step) at the memory's: when the boost clock differs between processes, their
-ratio moves by more than either time (BENCHMARKS.md, kernel run BA: one row's step 14.6-20.2 us
-over four processes). Recording the clocks beside each time tells that from a change of code.
-The device tool lends the GPU as it is (no clocks locked), so they are read, not set.
+ones (a dense step) at the memory's: were the boost clock to differ between processes, their
+ratio would move by more than either time. Recorded beside each time, the clocks tell that
+from a change of code (BENCHMARKS.md, kernel run BA: one row's step 14.3-20.2 us over seven
+processes; the two that sampled clocks held 1980 / 3201 MHz throughout). The GPUs are lent
+as they are (no clocks locked), so they are read, not set.
 """
 
 from __future__ import annotations
@@ -20,8 +21,8 @@ FIELDS = ("clocks.sm", "clocks.mem", "power.draw")
 
 def parse_samples(text: str) -> list[tuple[float, float, float]]:
     """``nvidia-smi --format=csv,noheader,nounits`` lines of :data:`FIELDS` as (SM MHz, memory
-    MHz, watts); lines that are not three numbers (``[N/A]``, an error's text)
-    are left out."""
+    MHz, watts); lines that are not three numbers (``[N/A]``, an error's text) are left
+    out."""
     samples = []
     for line in text.splitlines():
         parts = [p.strip() for p in line.split(",")]

@@ -1,4 +1,5 @@
-"""Shared test helpers: the committed HF fixtures and the optional transformers reference venv."""
+"""Shared test helpers: the engine tests' tiny model and prompts, scripts loaded as modules, the
+committed HF fixtures and the optional transformers reference venv."""
 
 from __future__ import annotations
 
@@ -13,6 +14,8 @@ from pathlib import Path
 import jax
 import numpy as np
 import pytest
+
+from sparrow_jax.config import ModelConfig
 
 # The precision policy of the tests (docs/design.md, section 1): float32 matmuls at full
 # precision. On Ampere/Hopper GPUs JAX's default runs them as TF32 (~1e-3 relative), which the
@@ -32,8 +35,6 @@ def _release_compiled_programs():
     jax.clear_caches()
     gc.collect()
 
-
-from sparrow_jax.config import ModelConfig  # noqa: E402  (after the precision policy)
 
 # The engine tests' model: two layers, GQA 4/2, small enough to compile in seconds on CPU.
 TINY_ENGINE = ModelConfig(vocab_size=48, hidden_size=64, intermediate_size=128,
