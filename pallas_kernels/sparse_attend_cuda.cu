@@ -470,6 +470,23 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
                                             int split, int splits, uint8_t* scratch,
                                             int* s_phys, int* s_slot) {
   const int b = i / hkv, h = i % hkv;
+  // A thread's slots (t, t + THREADS, ...) are loaded RUN at a time before any is stored,
+  // the first run before the row's length and budget are even used (slots up to the table's
+  // width are stored whatever the length; those past it are never read): the choice then
+  // waits on one round trip where it waited on three (the length and budget, then the two
+  // runs of 4 loads the compiler had made of 2048 slots).
+  const int* key_row = c.keys + (static_cast<int64_t>(h) * c.batch + b) * c.width;
+  const int* table_row = c.table + static_cast<int64_t>(b) * c.width;
+  unsigned u[RUN];
+  int p[RUN];
+  auto load_run = [&](int s0) {
+#pragma unroll
+    for (int r = 0; r < RUN; ++r) {
+      const int s = s0 + r * THREADS;
+      if (s < c.width) u[r] = static_cast<unsigned>(key_row[s]) ^ 0x80000000u, p[r] = table_row[s];
+    }
+  };
+  load_run(threadIdx.x);
   const int n = min((length + c.page_size - 1) / c.page_size, c.width);
   const int budget = min(max(c.budgets[b], RESERVED), c.max_pages);
   const int k = budget - RESERVED;
@@ -479,16 +496,19 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
   int* hist = reinterpret_cast<int*>(scratch + hist_offset(c.width));
   int* warp_sums = hist + ROUNDS * BINS;
   unsigned* warp_bits = reinterpret_cast<unsigned*>(warp_sums + WARPS);   // or, and a warp
-  const int* key_row = c.keys + (static_cast<int64_t>(h) * c.batch + b) * c.width;
-  const int* table_row = c.table + static_cast<int64_t>(b) * c.width;
   unsigned any = 0u, all = ~0u;   // of the eligible keys (slots 1 .. n - 3)
-  for (int s = threadIdx.x; s < n; s += THREADS) {
-    if (search) {
-      const unsigned u = static_cast<unsigned>(key_row[s]) ^ 0x80000000u;
-      key[padded(s)] = u;
-      if (s >= 1 && s < n - 2) any |= u, all &= u;
+  for (int s0 = threadIdx.x; s0 < c.width; s0 += RUN * THREADS) {
+    if (s0 != threadIdx.x) load_run(s0);
+#pragma unroll
+    for (int r = 0; r < RUN; ++r) {
+      const int s = s0 + r * THREADS;
+      if (s < c.width) {
+        key[padded(s)] = u[r];
+        page[padded(s)] = p[r];
+        if (s >= 1 && s < n - 2) any |= u[r], all &= u[r];
+      }
     }
-    page[padded(s)] = table_row[s];
+    if (s0 + RUN * THREADS >= n) break;
   }
   if (search) {
     for (int j = threadIdx.x; j < ROUNDS * BINS; j += THREADS) hist[j] = 0;
