@@ -399,11 +399,13 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
 
 
 def default_score_chunk(summaries: int) -> int:
-    """Page slots a scoring program holds: 64 scored from centroids, 32 from Quest's two
-    summaries (H100, 32K, budget 2048: Quest's step at chunks of 32 took 0.91x its time at 64
-    at batch 8 and 32, at 16 or with 8 warps no faster, BENCHMARKS.md "Quest in the kernels";
-    64 slots of two float32 summaries hold 149 registers a thread, 3 programs an SM)."""
-    return 64 // summaries
+    """Page slots a scoring program holds: 32 whatever the summaries. H100, 32K, budget 2048,
+    by device time: the centroid scoring at 32 slots 14.3 / 50.6 us at batch 8 / 32 against
+    15.1 / 52.2 at 64 and 17.5 / 56.2 at 128 (BENCHMARKS.md, kernel run BC: twice the programs
+    fill the SMs' wave more evenly); Quest's step at 32 took 0.91x its time at 64 at batch 8
+    and 32, at 16 or with 8 warps no faster (BENCHMARKS.md "Quest in the kernels")."""
+    del summaries
+    return 32
 
 
 def default_block_pages(page_size: int) -> int:

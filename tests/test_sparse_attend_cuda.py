@@ -400,7 +400,7 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
     assert "@sparrow_sparse_attend(" in text and "sparse_decode_select" in text
     with pytest.raises(ValueError, match=r"^choosing the lists inside the attention needs even "
                                          r"splits of 1 to 8 parts, .*; have \d lists x \d+ "
-                                         r"splits on 132 blocks \(balanced=True\), 64 slots"):
+                                         r"splits on 132 blocks \(balanced=True\), 32 slots"):
         step_lowered_for_an_h100(dataclasses.replace(stream_k, select_in_attention=True),
                                  lengths)
     with pytest.raises(ValueError, match="^select_in_attention needs attend='cuda' or 'auto'"):
