@@ -474,7 +474,9 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
   // the first run before the row's length and budget are even used (slots up to the table's
   // width are stored whatever the length; those past it are never read): the choice then
   // waits on one round trip where it waited on three (the length and budget, then the two
-  // runs of 4 loads the compiler had made of 2048 slots).
+  // runs of 4 loads the compiler had made of 2048 slots). The keys were just written by the
+  // scoring and come from L2, so this is 0.1-0.2 us of the attention at 1 and 8 rows (H100,
+  // BENCHMARKS.md, kernel run BC).
   const int* key_row = c.keys + (static_cast<int64_t>(h) * c.batch + b) * c.width;
   const int* table_row = c.table + static_cast<int64_t>(b) * c.width;
   unsigned u[RUN];
