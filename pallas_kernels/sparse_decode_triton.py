@@ -47,7 +47,7 @@ class TritonDecodeTuning:
     splits: parts of each page list attended in parallel (None: one wave of programs,
       :func:`pallas_kernels.paged_attend_gpu.default_splits`).
     score_chunk: page slots scored per program (a power of two >= 16; None: 64 for
-      centroids, 32 for Quest's two summaries, as the Pallas kernels).
+      centroids, 32 for Quest's two summaries, the settings this path was measured with).
     histogram: find the selection threshold by four 256-bin histogram rounds, else by 32
       one-bit counting rounds.
     score_warps, select_warps, attend_warps: Triton warps of each kernel.
