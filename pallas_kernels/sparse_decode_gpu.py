@@ -399,11 +399,10 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
 
 
 def default_score_chunk(summaries: int) -> int:
-    """Page slots a scoring program holds: 32 whatever the summaries. H100, 32K, budget 2048,
-    by device time: the centroid scoring at 32 slots 14.3 / 50.6 us at batch 8 / 32 against
-    15.1 / 52.2 at 64 and 17.5 / 56.2 at 128 (BENCHMARKS.md, kernel run BC: twice the programs
-    fill the SMs' wave more evenly); Quest's step at 32 took 0.91x its time at 64 at batch 8
-    and 32, at 16 or with 8 warps no faster (BENCHMARKS.md "Quest in the kernels")."""
+    """Page slots a scoring program holds: 32 whatever the summaries. H100, 32K, budget 2048:
+    the centroid scoring 14.3 / 50.6 us at batch 8 / 32 against 15.1 / 52.2 at 64 and 17.5 /
+    56.2 at 128 (kernel run BC; 40 registers a thread against 56), Quest's step 0.91x its time
+    at 64, at 16 or with 8 warps no faster (BENCHMARKS.md "Quest in the kernels")."""
     del summaries
     return 32
 
