@@ -43,14 +43,16 @@ constexpr int PAGE_BYTES = P * D * 2;
 constexpr int WARPS = 8, STAGES = 2;                            // BENCHMARKS.md, run AJ
 constexpr int RING_BYTES = WARPS * STAGES * 2 * PAGE_BYTES;
 constexpr int MAX_PARTS = RING_BYTES / (4 * MAX_GROUP);   // a list's parts' weights (merge_parts)
+// The warps' merge (merge_warps) has shared memory of its own past the ring, so that the next
+// list's first pages can land in the ring while a list's warps merge.
+constexpr int MERGE_BYTES = WARPS * MAX_GROUP * (D + 2) * 4;
 // What a list costs a block beside its pages, in pages: staging its entries, its queries' and
 // first pages' loads one after the other, and the warps' merge (~2 us where a block streams a
 // page in ~0.3 us: BENCHMARKS.md, kernel run AM).
 constexpr int LIST_UNITS = 8;
-// A cluster's partial results: each block's in its ring past what merge_warps uses.
+// A cluster's partial results: each block's in its ring.
 constexpr int MAX_CLUSTER = 8, CLUSTER_PART = 64 * 1024;
-static_assert(CLUSTER_PART >= WARPS * MAX_GROUP * (D + 2) * 4 &&   // merge_warps' scratch
-              CLUSTER_PART + (D + 1) * MAX_GROUP * 4 <= RING_BYTES);
+static_assert(CLUSTER_PART + (D + 1) * MAX_GROUP * 4 <= RING_BYTES);
 
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
@@ -130,13 +132,14 @@ __device__ __forceinline__ void load_queries(const __nv_bfloat16* q, int b, int 
 }
 
 // Warp `warp`'s share of n staged entries (w, w + WARPS, ...) of list (b, h) streamed into
-// `a`: page i + 1's copies in flight while page i's products run. Leaves no copy pending.
+// `a`: page i + 1's copies in flight while page i's products run (`first_in`: the first page's
+// were issued already, into the ring's first stage). Leaves no copy pending.
 __device__ __forceinline__ void stream_entries(const int* s_phys, const int* s_slot, int n,
                                                const __nv_bfloat16* kbase,
                                                const __nv_bfloat16* vbase, uint32_t ring,
                                                const __nv_bfloat16* q, int b, int h, int hkv,
                                                int group, int length, float scale_log2,
-                                               int warp, int lane, Acc& a) {
+                                               int warp, int lane, bool first_in, Acc& a) {
   const int tig = lane & 3;
   const int mine = max(0, (n - warp + WARPS - 1) / WARPS);
   auto issue = [&](int i) {
@@ -145,7 +148,7 @@ __device__ __forceinline__ void stream_entries(const int* s_phys, const int* s_s
   };
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
-    if (i < mine) issue(i);
+    if (i < mine && !(i == 0 && first_in)) issue(i);
     cp_commit();
   }
   uint32_t qa[8][2];      // loaded while the first copies are in flight
@@ -202,16 +205,16 @@ __device__ __forceinline__ void stream_entries(const int* s_phys, const int* s_s
   cp_wait<0>();
 }
 
-// The block's warps merged through shared memory (the ring: every warp's copies are done):
+// The block's warps merged through `scratch` (MERGE_BYTES of shared memory, not the ring):
 // for each of the group's idx = head * D + column, emit(idx, normalised output, log2-sum-exp
-// of the head). Ends synchronised, so the ring may be refilled.
+// of the head). Ends synchronised.
 template <class Emit>
-__device__ __forceinline__ void merge_warps(Acc& a, uint8_t* smem, int group, int warp,
+__device__ __forceinline__ void merge_warps(Acc& a, uint8_t* scratch, int group, int warp,
                                             int lane, Emit emit) {
   const int g = lane >> 2, tig = lane & 3;
   a.l += __shfl_xor_sync(0xffffffffu, a.l, 1);
   a.l += __shfl_xor_sync(0xffffffffu, a.l, 2);
-  float* s_o = reinterpret_cast<float*>(smem);            // [WARPS][group][D]
+  float* s_o = reinterpret_cast<float*>(scratch);         // [WARPS][group][D]
   float* s_m = s_o + WARPS * MAX_GROUP * D;                // [WARPS][group]
   float* s_l = s_m + WARPS * MAX_GROUP;
   __syncthreads();
@@ -618,7 +621,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   extern __shared__ __align__(1024) uint8_t smem[];
   __shared__ int s_last, s_warp[WARPS], s_most;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
-  int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES);
+  uint8_t* s_merge = smem + RING_BYTES;
+  int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES + MERGE_BYTES);
   int* s_slot = s_phys + cap;
   int* s_ends = s_slot + cap;
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
@@ -660,10 +664,11 @@ __global__ void __launch_bounds__(WARPS * 32)
     }
   }
   __syncthreads();
+  const int64_t head_pages = n_pages * P * D;
 
   // Entries [from, to) of list i into `a`, `cap` staged at a time (the first `cap` already,
-  // if `staged`).
-  auto attend = [&](int i, int from, int to, Acc& a, bool staged) {
+  // if `staged`; the warp's first page in flight already, if `first_in`).
+  auto attend = [&](int i, int from, int to, Acc& a, bool staged, bool first_in) {
     const int h = i % hkv, b = i / hkv;
     reset(a);
     for (int s = from; s < to; s += cap) {
@@ -672,9 +677,9 @@ __global__ void __launch_bounds__(WARPS * 32)
         stage(lists, slots, i, list_len, s, n, s_phys, s_slot);
         __syncthreads();
       }
-      stream_entries(s_phys, s_slot, n, kpages + h * n_pages * P * D,
-                     vpages + h * n_pages * P * D, ring, q, b, h, hkv, group, lengths[b],
-                     scale_log2, warp, lane, a);
+      stream_entries(s_phys, s_slot, n, kpages + h * head_pages, vpages + h * head_pages, ring,
+                     q, b, h, hkv, group, lengths[b], scale_log2, warp, lane,
+                     first_in && s == from, a);
       __syncthreads();   // every warp is done with the staged entries
     }
   };
@@ -683,20 +688,20 @@ __global__ void __launch_bounds__(WARPS * 32)
   auto finish = [&](int i, Acc& a, int64_t part, int64_t first, int n) {
     __nv_bfloat16* out_row = out + static_cast<int64_t>(i) * group * D;
     if (n == 1) {
-      merge_warps(a, smem, group, warp, lane,
+      merge_warps(a, s_merge, group, warp, lane,
                   [&](int idx, float val, float) { out_row[idx] = __float2bfloat16(val); });
       return;
     }
     if constexpr (kCluster) {
       float* own = reinterpret_cast<float*>(smem + CLUSTER_PART);
-      merge_warps(a, smem, group, warp, lane, [&](int idx, float val, float lse) {
+      merge_warps(a, s_merge, group, warp, lane, [&](int idx, float val, float lse) {
         own[idx] = val;
         if (idx % D == 0) own[group * D + idx / D] = lse;
       });
       merge_cluster(own, n, group, out_row);
       return;
     }
-    merge_warps(a, smem, group, warp, lane, [&](int idx, float val, float lse) {
+    merge_warps(a, s_merge, group, warp, lane, [&](int idx, float val, float lse) {
       part_o[part * group * D + idx] = val;
       if (idx % D == 0) part_lse[part * group + idx / D] = lse;
     });
@@ -725,21 +730,67 @@ __global__ void __launch_bounds__(WARPS * 32)
   };
   Acc a;
   if (balance == 0 || (balance < 0 && even_faster())) {
-    for (int v = first_part; v < even_blocks; v += blocks / stride) {
+    // One part a list (splits 1): while the block streams a list, the next one's count,
+    // entries and each warp's first page entry are loaded, and that page is copied into the
+    // warp's ring once the list's own pages have landed, so that it arrives during the warps'
+    // merge. Otherwise a block's next list waits on the merge, its count, its staging and its
+    // first page's round trip in turn (~4 us at 32 rows, H200: kernel run AR).
+    const int step = blocks / stride;
+    int count_ahead = -1;   // the part's count, when loaded ahead
+    bool staged_ahead = false, in_flight = false;
+    for (int v = first_part; v < even_blocks; v += step) {
       const int i = v / splits, split = v % splits;
       if constexpr (kSelect) {
         const int2 part = select_part(choice, i, hkv, lengths[i / hkv], split, splits, smem,
                                       s_phys, s_slot);
-        attend(i, part.x, part.y, a, true);
+        attend(i, part.x, part.y, a, true, false);
         finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
         continue;
       }
-      const int count = min(v == first_part && guessed ? guess_count : counts[i], list_len);
+      const bool first = v == first_part;
+      const int count =
+          count_ahead >= 0 ? count_ahead : min(first && guessed ? guess_count : counts[i], list_len);
       const int each = (count + splits - 1) / splits;
       const int from = min(split * each, count), to = min(from + each, count);
+      const int next = v + step;
+      const bool ahead = splits == 1 && next < even_blocks;
+      int next_count = 0, next_phys = 0, ahead_phys[GUESS_EACH], ahead_slot[GUESS_EACH];
+      if (ahead) {
+        const int64_t row = static_cast<int64_t>(next) * list_len;
+        next_count = counts[next];
+        if (warp < list_len) next_phys = lists[row + warp];
+#pragma unroll
+        for (int u = 0; u < GUESS_EACH; ++u) {
+          const int j = threadIdx.x + u * WARPS * 32;
+          if (j < list_len) ahead_phys[u] = lists[row + j], ahead_slot[u] = slots[row + j];
+        }
+      }
       attend(i, from, to, a,
-             guessed && v == first_part && from == guess_from && to - from == guess_n);
+             staged_ahead ||
+                 (guessed && first && from == guess_from && to - from == guess_n),
+             in_flight);
+      in_flight = false;
+      count_ahead = -1;
+      staged_ahead = false;
+      if (ahead) {   // every copy of this list landed (attend ends synchronised)
+        count_ahead = min(next_count, list_len);
+        in_flight = warp < count_ahead;
+        if (in_flight) {
+          const int64_t off = (next % hkv) * head_pages + int64_t{next_phys} * P * D;
+          copy_page(ring, kpages + off, vpages + off, lane);
+          cp_commit();
+        }
+      }
       finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
+      if (ahead && count_ahead <= min(cap, GUESS_EACH * WARPS * 32)) {
+#pragma unroll
+        for (int u = 0; u < GUESS_EACH; ++u) {
+          const int j = threadIdx.x + u * WARPS * 32;
+          if (j < count_ahead) s_phys[j] = ahead_phys[u], s_slot[j] = ahead_slot[u];
+        }
+        __syncthreads();
+        staged_ahead = true;
+      }
     }
     return;
   }
@@ -753,7 +804,7 @@ __global__ void __launch_bounds__(WARPS * 32)
     const int end = s_ends[i], first = (i > 0 ? s_ends[i - 1] : 0) + LIST_UNITS;  // its pages
     if (first >= hi) break;
     attend(i, max(lo, first) - first, min(min(hi, end) - first, min(counts[i], list_len)), a,
-           false);
+           false, false);
     const int p_first = first / chunk, p_last = (end - 1) / chunk;
     finish(i, a, static_cast<int64_t>(blockIdx.x) + i, static_cast<int64_t>(p_first) + i,
            p_last - p_first + 1);
@@ -825,7 +876,7 @@ ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
                   int64_t cluster, int64_t longest, Choice choice) {
   ffi::ErrorOr<int> limit = RaiseSharedLimit();
   if (limit.has_error()) return limit.error();
-  const int64_t room = (*limit - RING_BYTES - 4 * lists_n) / 8;
+  const int64_t room = (*limit - RING_BYTES - MERGE_BYTES - 4 * lists_n) / 8;
   const int64_t cap = std::min(longest, room);
   if (room < WARPS || (choice.keys != nullptr && room < longest)) {
     return ffi::Error::InvalidArgument(
@@ -840,7 +891,7 @@ ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(programs));
   launch.blockDim = dim3(WARPS * 32);
-  launch.dynamicSmemBytes = RING_BYTES + 8 * cap + 4 * lists_n;
+  launch.dynamicSmemBytes = RING_BYTES + MERGE_BYTES + 8 * cap + 4 * lists_n;
   launch.stream = stream;
   launch.attrs = &attribute;
   launch.numAttrs = cluster > 1 ? 1 : 0;

@@ -78,6 +78,8 @@ LAYOUTS = {   # how the blocks share the lists
     "even8": dict(balanced=False, splits=8), "even3_global": dict(balanced=False, splits=3,
                                                                    cluster=False),
     "even3_on5": dict(balanced=False, splits=3, programs=5),   # blocks take several parts
+    # blocks take several whole lists, each next one's first pages loaded during a merge
+    "even1_on5": dict(balanced=False, splits=1, programs=5),
     "streamk1": dict(balanced=True, programs=1), "streamk5": dict(balanced=True, programs=5),
     "streamk64": dict(balanced=True, programs=64), "auto": {},
     # the device's choice where the even parts take two rounds of the blocks
@@ -118,11 +120,30 @@ def test_lists_of_one_length(layout):
 @pytest.mark.parametrize("balanced", [False, True])
 def test_long_lists_are_staged_in_pieces(balanced):
     """A list of 14000 pages, more entries than the block's shared memory stages at once
-    (~12K beside its 128 KB of page stages): staged in pieces."""
+    (~8K beside its 128 KB of page stages and 32 KB for the warps' merge): staged in pieces."""
     rng = np.random.default_rng(11)
     args = lists_case(rng, b=1, hkv=1, group=4, counts=[[13990]], pool=14100, width=14000)
     got = jax.jit(functools.partial(attend_page_lists_cuda, balanced=balanced, splits=1,
                                     programs=1))(*args)
+    assert_kernel_close(as64(got), attention_np(*args), low_precision=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("counts,programs", [
+    ([[600, 0], [3, 1200]], 2),     # next lists of fewer entries than warps, and past 512
+    ([[5, 40], [0, 2]], 2),         # next lists of no entries, and of two
+    ([[100, 9000]], 1),             # the next list longer than the staged entries fit
+])
+def test_whole_lists_in_turn(counts, programs):
+    """Even splits of one part a list on fewer blocks than lists: a block's next list (its
+    count, its entries up to 512 and each warp's first page) is loaded while it streams the
+    one before, the next list staged ahead only where its entries fit."""
+    rng = np.random.default_rng(len(counts) * 7 + programs)
+    width = max(map(max, counts)) + 10
+    args = lists_case(rng, b=len(counts), hkv=2, group=4, counts=counts,
+                      pool=len(counts) * width + 100, width=width, short=7)
+    got = jax.jit(functools.partial(attend_page_lists_cuda, balanced=False, splits=1,
+                                    programs=programs))(*args)
     assert_kernel_close(as64(got), attention_np(*args), low_precision=True)
 
 
