@@ -106,6 +106,17 @@ def composition(q, k_pages, v_pages, centroids, table, lengths, *, budget, inter
     return out.reshape(b, hq, d)
 
 
+def page_order(n_pages: int, ctx: int, batch: int, *, seed: int = 0,
+               contiguous: bool = False) -> np.ndarray:
+    """The pool position of each of a case's ``n_pages`` pages: a permutation drawn from
+    (seed, ctx, batch) alone, so that a case reads the same addresses whichever cases ran
+    before it in the process (one shared generator made batch 32's order depend on the
+    batches listed before it); ``contiguous``: in order."""
+    if contiguous:
+        return np.arange(n_pages)
+    return np.random.default_rng((seed, ctx, batch)).permutation(n_pages)
+
+
 def dense_cuda_lists(q, k_pages, v_pages, lists, lengths, *, slots):
     """Dense decode by the sparse step's CUDA attention: each row's page table as the list of
     each of its KV heads (``lists`` ``[B, Hkv, M]``)."""
@@ -392,6 +403,9 @@ def main(argv=None):
     ap.add_argument("--contiguous-table", action="store_true",
                     help="diagnostic: each sequence's pages consecutive in the pool (the same "
                          "bytes as the default scattered table, read in address order)")
+    ap.add_argument("--order-seed", type=int, default=0,
+                    help="seed of the pages' scattered order in the pool; each context and "
+                         "batch draws its own order from it")
     ap.add_argument("--clocks", action="store_true",
                     help="sample the GPU's SM and memory clocks (nvidia-smi) while each row is "
                          "timed: median, minimum and samples in the row's JSON")
@@ -417,12 +431,12 @@ def main(argv=None):
     variants = [parse_variant(c) for c in args.kernel_configs.split(",") if c]
     triton_variants = [parse_triton_variant(c) for c in args.triton_configs.split(",") if c]
     rows = []
-    rng = np.random.default_rng(0)
     for ctx in args.contexts:
         for b in args.batches:
             m = ctx // P
             n_total = b * m
-            order = np.arange(n_total) if args.contiguous_table else rng.permutation(n_total)
+            order = page_order(n_total, ctx, b, seed=args.order_seed,
+                               contiguous=args.contiguous_table)
             q, k_pages, v_pages, centroids, table, lengths = decode_inputs(b, ctx, order)
             minmax = None
             if args.quest:   # one KV head at a time, as the centroids

@@ -39,3 +39,18 @@ def test_issue_5_ratio_from_the_baseline_measured():
     rows = [row("dense_pallas_paged", 0.060),
             row("kernel_b4", 0.020, 2048, frac_ceiling=0.2, rel_err_vs_ref=1e-3)]
     assert cells(rows)["x issue 5"] == "3.00"
+
+
+def test_page_order_is_the_case_own():
+    """A case's scattered order is a permutation drawn from (seed, context, batch) alone: the
+    same whichever cases were drawn before it, another for another batch or seed, and in
+    order for the contiguous table."""
+    page_order = load_script("bench_decode").page_order
+    first = page_order(4096, 32768, 32)
+    page_order(64, 32768, 1)   # another case drawn in between
+    again = page_order(4096, 32768, 32)
+    assert sorted(first.tolist()) == list(range(4096))
+    assert (first == again).all()
+    assert (first != page_order(4096, 32768, 32, seed=1)).any()
+    assert (first != page_order(4096, 32768, 8)).any()
+    assert page_order(5, 32768, 32, contiguous=True).tolist() == [0, 1, 2, 3, 4]
