@@ -733,8 +733,10 @@ __global__ void __launch_bounds__(WARPS * 32)
     // One part a list (splits 1): while the block streams a list, the next one's count,
     // entries and each warp's first page entry are loaded, and that page is copied into the
     // warp's ring once the list's own pages have landed, so that it arrives during the warps'
-    // merge. Otherwise a block's next list waits on the merge, its count, its staging and its
-    // first page's round trip in turn (~4 us at 32 rows, H200: kernel run AR).
+    // merge, instead of waiting on the merge, its count, its staging and its first page's round
+    // trip in turn (~4 us a block at 32 rows, H200: kernel run AR). The attention gained 0.4-0.8
+    // us at 32 rows (H100, kernel run BD): the blocks drift apart, so one block's wait was
+    // mostly other blocks' streaming.
     const int step = blocks / stride;
     int count_ahead = -1;   // the part's count, when loaded ahead
     bool staged_ahead = false, in_flight = false;
