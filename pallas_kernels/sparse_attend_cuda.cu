@@ -750,8 +750,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         continue;
       }
       const bool first = v == first_part;
-      const int count =
-          count_ahead >= 0 ? count_ahead : min(first && guessed ? guess_count : counts[i], list_len);
+      const int given = first && guessed ? guess_count : count_ahead;   // loaded already
+      const int count = given >= 0 ? min(given, list_len) : min(counts[i], list_len);
       const int each = (count + splits - 1) / splits;
       const int from = min(split * each, count), to = min(from + each, count);
       const int next = v + step;
@@ -811,6 +811,34 @@ __global__ void __launch_bounds__(WARPS * 32)
     finish(i, a, static_cast<int64_t>(blockIdx.x) + i, static_cast<int64_t>(p_first) + i,
            p_last - p_first + 1);
   }
+}
+
+// The lists alone, one block a list (the third handler): select_part's choice written out as
+// the Pallas selection writes it (pallas_kernels/sparse_decode_gpu.py, _select_kernel): the
+// list [count entries, then the row's last page repeated up to kpad] as physical pages and
+// slots, its count, and a zero for the attention's arrival counter. Two blocks an SM, so that
+// 17-32 rows' lists (136-256) choose in one wave.
+__global__ void __launch_bounds__(THREADS, 2)
+    select_kernel(Choice c, const int* __restrict__ lengths, int hkv, int kpad, int* phys,
+                  int* slots, int* counts, int* arrivals) {
+  extern __shared__ __align__(16) uint8_t scratch[];
+  const int i = blockIdx.x, b = i / hkv;
+  const int length = lengths[b];
+  int* phys_row = phys + static_cast<int64_t>(i) * 2 * kpad;
+  int* slot_row = slots + static_cast<int64_t>(i) * 2 * kpad;
+  const int count = select_part(c, i, hkv, length, 0, 1, scratch, phys_row, slot_row).y;
+  const int last = max(min((length + c.page_size - 1) / c.page_size, c.width) - 1, 0);
+  const int last_phys = c.table[static_cast<int64_t>(b) * c.width + last];
+  for (int j = count + threadIdx.x; j < kpad; j += THREADS) {
+    phys_row[j] = last_phys;
+    slot_row[j] = last;
+  }
+  if (threadIdx.x == 0) counts[i] = count, arrivals[i] = 0;
+}
+
+// select_kernel's shared memory: the row's keys and pages, the histograms and sums.
+__host__ __device__ constexpr int choice_bytes(int width) {
+  return hist_offset(width) + 4 * (ROUNDS * BINS + 3 * WARPS);
 }
 
 ffi::Error Check(cudaError_t e, const char* what) {
@@ -968,6 +996,44 @@ ffi::Error SelectAttend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                 (max_pages + splits - 1) / splits, choice);
 }
 
+// The third handler: keys [Hkv, B, width], table [B, width], lengths and budgets [B] ->
+// phys and slots [B, Hkv, 2 kpad], counts and zeros [B, Hkv, 1] (select_kernel).
+ffi::Error SelectLists(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
+                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                       ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::Buffer<ffi::S32>> phys,
+                       ffi::Result<ffi::Buffer<ffi::S32>> slots,
+                       ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                       ffi::Result<ffi::Buffer<ffi::S32>> arrivals, int64_t page_size,
+                       int64_t max_pages) {
+  auto keyd = keys.dimensions(), td = table.dimensions(), pd = phys->dimensions();
+  if (keyd.size() != 3 || td.size() != 2 || pd.size() != 3 || td[0] != keyd[1] ||
+      td[1] != keyd[2] || keyd[2] < 1 || keyd[2] > MAX_CHOICE_WIDTH ||
+      lengths.dimensions()[0] != keyd[1] || budgets.dimensions()[0] != keyd[1] ||
+      pd[0] != keyd[1] || pd[1] != keyd[0] || pd[2] % 2 != 0 || page_size < 1 ||
+      max_pages < RESERVED || max_pages > pd[2] / 2) {
+    return ffi::Error::InvalidArgument("sparrow_sparse_select_lists: unsupported arguments");
+  }
+  const int64_t lists = keyd[0] * keyd[1];
+  if (lists == 0) return ffi::Error::Success();
+  const int bytes = choice_bytes(static_cast<int>(keyd[2]));
+  static std::once_flag once;
+  static cudaError_t raised = cudaSuccess;
+  std::call_once(once, [] {
+    raised = cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                  choice_bytes(MAX_CHOICE_WIDTH));
+  });
+  if (auto e = Check(raised, "raising the selection's shared memory limit"); e.failure()) {
+    return e;
+  }
+  const Choice choice{keys.typed_data(), table.typed_data(), budgets.typed_data(),
+                      static_cast<int>(keyd[1]), static_cast<int>(keyd[2]),
+                      static_cast<int>(page_size), static_cast<int>(max_pages)};
+  select_kernel<<<static_cast<unsigned>(lists), THREADS, bytes, stream>>>(
+      choice, lengths.typed_data(), static_cast<int>(keyd[0]), static_cast<int>(pd[2] / 2),
+      phys->typed_data(), slots->typed_data(), counts->typed_data(), arrivals->typed_data());
+  return Check(cudaGetLastError(), "sparrow_sparse_select_lists launch");
+}
+
 // What both handlers take first: the stream, q, the K and V pages, and four int32 arrays.
 auto PagesAndFourArrays() {
   return ffi::Ffi::Bind()
@@ -1000,6 +1066,21 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectAttend, SelectAttend,
                               PagesAndFourArrays()
                                   .Ret<ffi::AnyBuffer>()
                                   .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("max_pages"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectLists, SelectLists,
+                              ffi::Ffi::Bind()
+                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Arg<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("max_pages"),
                               {ffi::Traits::kCmdBufferCompatible});

@@ -12,7 +12,8 @@ runs AJ and AK).
 
 :func:`attend_selected_cuda` is the same attention whose blocks choose their lists
 themselves from the scoring's keys (no selection kernel), where every block holds one part
-of one list in one wave (kernel run AW).
+of one list in one wave (kernel run AW). :func:`select_lists_cuda` is that choice alone, one
+block a list, writing the lists the Pallas selection writes.
 
 Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
 an NVIDIA Hopper GPU (compute capability 9.x: H100, H200; measured on an H200), and ``nvcc``
@@ -38,6 +39,7 @@ from pallas_kernels.paged_attend_gpu import sm_count
 SOURCE = Path(__file__).with_suffix(".cu")
 TARGET = "sparrow_sparse_attend"
 SELECT_TARGET = "sparrow_sparse_select_attend"
+LISTS_TARGET = "sparrow_sparse_select_lists"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 # The kernel's warps a block, and the most parts a list may be merged from (the blocks, or
 # the even splits: their weights fill the shared memory of the kernel's page ring).
@@ -54,7 +56,8 @@ MAX_CHOICE_WIDTH = 8192
 def _registered() -> str | None:
     return (register(SOURCE, "SparrowSparseAttend", TARGET, "the CUDA attention")
             or register(SOURCE, "SparrowSparseSelectAttend", SELECT_TARGET,
-                        "the CUDA attention"))
+                        "the CUDA attention")
+            or register(SOURCE, "SparrowSparseSelectLists", LISTS_TARGET, "the CUDA attention"))
 
 
 def unavailable() -> str | None:
@@ -199,3 +202,30 @@ def attend_selected_cuda(q, k_pages, v_pages, keys, table, lengths, budget_pages
         q, k_pages, v_pages, keys.astype(jnp.int32), table.astype(jnp.int32),
         lengths.astype(jnp.int32), budget_pages.astype(jnp.int32), splits=np.int64(splits),
         page_size=np.int64(page_size), max_pages=np.int64(max_pages))
+
+
+def select_lists_cuda(keys, table, lengths, budget_pages, *, page_size: int, max_pages: int,
+                      kpad: int):
+    """The choice of :func:`attend_selected_cuda` alone, one block of 256 threads a list
+    (two an SM): keys ``[Hkv, B, M]`` int32 (the scoring's), table ``[B, M]``, lengths and
+    budget_pages ``[B]`` -> (phys, slots ``[B, Hkv, 2 * kpad]``, count ``[B, Hkv, 1]``, zeros
+    ``[B, Hkv, 1]``), as :func:`pallas_kernels.sparse_decode_gpu.select_from_keys` returns
+    them with its arrival counters: a row of n pages with budget K (clipped to [3,
+    max_pages]) takes every page when n <= K, else page 0, its last two and the K - 3
+    eligible slots of largest key (ties from the lowest slot), in page order; entries from
+    count to kpad - 1 repeat the row's last page, those from kpad on are not written.
+    Tables up to 8192 slots; anything else it does not take raises one line."""
+    hkv, b, width = keys.shape
+    if not 1 <= width <= MAX_CHOICE_WIDTH:
+        raise ValueError(f"select_lists_cuda: takes tables of 1 to {MAX_CHOICE_WIDTH} slots, "
+                         f"have {width}")
+    if not 3 <= max_pages <= kpad:
+        raise ValueError(f"select_lists_cuda: max_pages must be in [3, kpad={kpad}], got "
+                         f"{max_pages}")
+    _registered()
+    lists = jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32)
+    one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
+    return jax.ffi.ffi_call(LISTS_TARGET, (lists, lists, one, one))(
+        keys.astype(jnp.int32), table.astype(jnp.int32), lengths.astype(jnp.int32),
+        budget_pages.astype(jnp.int32), page_size=np.int64(page_size),
+        max_pages=np.int64(max_pages))

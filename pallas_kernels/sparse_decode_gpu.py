@@ -13,8 +13,8 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
    page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
    are compacted in page order (a prefix sum) into a page list; it also zeroes the balanced
-   attention's arrival counter of its list (else an XLA launch of its own). Where the CUDA
-   attention's blocks each hold one part of one list, they choose the lists themselves.
+   attention's arrival counter of its list (else an XLA launch of its own); or the CUDA
+   attention's blocks choose their lists themselves, or its choice runs alone.
    The selection covers the smallest power of two of slots (256 at least) that holds the row's
    pages, and its searches are skipped when the budget covers the row; scoring programs past
    the row's pages only mark their slots. So a short row costs about the same whatever the
@@ -30,12 +30,8 @@ Shapes inside the kernels are powers of two (Triton's rule): the page table is p
 unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so any group size,
 e.g. 5, works) by a masked load inside the kernels: padding in XLA cost a kernel launch a
 layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change
-speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured on the H100
-and found no faster (fused scoring + selection, the split merge in the kernel, multi-bit radix
-rounds, looped scoring programs; notes/kernel_notes.md, items 4 and 8) were removed after commit
-61279f7, where they can be found; a ternary threshold search (two counts a round packed in one
-sum) and element-wise key loads (no layout conversion before the scattered stores), after
-a18cf70.
+speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured and found
+no faster, and the commits that hold them: notes/kernel_notes.md.
 """
 
 from __future__ import annotations
@@ -54,7 +50,8 @@ from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, 
                                              pow2, sm_count)
 from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
-                                               default_cuda_splits, selects_in_attention)
+                                               default_cuda_splits, select_lists_cuda,
+                                               selects_in_attention)
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, num_pages, order_key
@@ -74,6 +71,7 @@ def _is_pow2(x: int) -> bool:
 
 ATTEND_IMPLS = ("auto", "cuda", "pallas")
 SCORE_IMPLS = ("pallas", "xla")
+SELECT_IMPLS = ("pallas", "cuda")
 
 
 def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
@@ -150,18 +148,11 @@ class GpuDecodeTuning:
       ``splits`` for every list (True: ``splits`` unused); None: balanced in the sparse step
       unless ``splits`` is set or the batch is one row, even splits in dense decode. A long
       row among short or finished ones (a static batch's tail, a refill chunk) gets the
-      programs they leave idle. H100, 32K, budget 2048: one long row beside finished ones
-      37 -> 28 us a layer at batch 19, 55 -> 26 at 32; every row long, the step +2.3% at
-      batch 19, +3.7% at 32 (BENCHMARKS.md, run O). One row's lists are all of one length
-      (its KV heads share its length and budget), so there is nothing to balance, while the
-      balanced attention gives each program one block and each list's last program merges
-      all their partial results (64 at budget 4096): H200, 32K, the step's device time 14.9
-      / 18.6 / 20.4 us against 16.4 / 20.5 / 26.6 at budgets 512 / 2048 / 4096
-      (BENCHMARKS.md, kernel run AG).
+      programs they leave idle (run O); one row's lists, all of one length, have nothing to
+      balance and would pay its merges of every block's partial (run AG; BENCHMARKS.md).
     attend: the attention over the lists: ``"cuda"``
       (:func:`pallas_kernels.sparse_attend_cuda.attend_page_lists_cuda`: each warp streams
-      its pages through shared memory while it computes; H200, 32K, budget 2048: the
-      attention 71.5 us against 87.0 at batch 32, BENCHMARKS.md, kernel run AK),
+      its pages through shared memory while it computes; BENCHMARKS.md, kernel run AK),
       ``"pallas"`` (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists`, the only one
       in interpret mode), or ``"auto"``: cuda where it runs (bf16, head_dim 128, page 16,
       a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
@@ -178,11 +169,13 @@ class GpuDecodeTuning:
       part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where not),
       False, or None (where it applies). H200, 32K, budget 2048: the step 2.8-7.9 us shorter
       by device time at 1-16 rows (kernel runs AW-AZ).
-    score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
-      (:func:`score_keys_xla`), whose fusion made the step 12% faster in a benchmark's chain
-      of calls but reads at half that rate in a model, where its arrays are not warm from
-      the call before (BENCHMARKS.md, kernel run AT, rollout runs U-W): pallas is the
-      default. The two sum in different orders, so near-tied pages may be chosen differently.
+    score: the scoring: ``"pallas"`` (:func:`_score_kernel`, the default) or ``"xla"``
+      (:func:`score_keys_xla`: 12% faster in a benchmark's chain of calls, half as fast in a
+      model, where its arrays are not warm; BENCHMARKS.md, kernel run AT, rollout runs U-W).
+      The two sum in different orders, so near-tied pages may be chosen differently.
+    select: the selection where the attention does not choose the lists: ``"pallas"``
+      (:func:`_select_kernel`) or ``"cuda"`` (the CUDA attention's choice alone, one block a
+      list: :func:`pallas_kernels.sparse_attend_cuda.select_lists_cuda`).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -196,11 +189,14 @@ class GpuDecodeTuning:
     attend_programs: int | None = None
     score: str = "pallas"
     select_in_attention: bool | None = None
+    select: str = "pallas"
 
     def __post_init__(self):
         check_launch_settings(self)
         if self.score not in SCORE_IMPLS:
             raise ValueError(f"score must be one of {SCORE_IMPLS}, got {self.score!r}")
+        if self.select not in SELECT_IMPLS:
+            raise ValueError(f"select must be one of {SELECT_IMPLS}, got {self.select!r}")
         if self.attend not in ATTEND_IMPLS:
             raise ValueError(f"attend must be one of {ATTEND_IMPLS}, got {self.attend!r}")
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
@@ -587,8 +583,14 @@ def score_keys_xla(q, summaries, table, lengths, *, page_size):
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
                      tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
-    """The selection kernel alone: keys ``[Hkv, B, Mpad]``, table ``[B, Mpad]`` -> the lists of
-    :func:`select_page_lists` (and its ``arrivals``)."""
+    """The selection kernel alone (the CUDA one with ``tuning.select`` "cuda"): keys ``[Hkv,
+    B, Mpad]``, table ``[B, Mpad]`` -> the lists of :func:`select_page_lists` (and arrivals)."""
+    if tuning.select == "cuda":
+        why = "it runs on a GPU only, not in interpret mode" if interpret else cuda_unavailable()
+        if why is not None:
+            raise ValueError(f"GpuDecodeTuning(select='cuda'): {why}")
+        return tuple(select_lists_cuda(keys, table, lengths, budget_pages, page_size=page_size,
+                                       max_pages=max_pages, kpad=kpad))[:3 + arrivals]
     hkv, b, mpad = keys.shape
     row = pl.BlockSpec((1,), lambda bi, hi: (bi,))
     out = lambda: pl.BlockSpec((None, None, 2 * kpad), lambda bi, hi: (bi, hi, 0))

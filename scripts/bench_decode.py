@@ -131,11 +131,12 @@ def parse_variant(spec):
     the device's choice); 'p1': the Pallas attention, 'p0' the CUDA one (neither: "auto", the
     CUDA one where it runs); 'n66': the CUDA attention on 66 blocks; 'x1': the scoring in
     XLA, 'x0' the Pallas scoring; 'f1': the lists chosen inside the CUDA attention
-    (select_in_attention)."""
+    (select_in_attention); 'e1': the CUDA selection kernel, 'e0' the Pallas one."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
-                 p="attend", n="attend_programs", x="score", f="select_in_attention")
-    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapnxf])(\d+)", spec)}
+                 p="attend", n="attend_programs", x="score", f="select_in_attention",
+                 e="select")
+    kw = {names[k]: int(v) for k, v in re.findall(r"([bswctgvapnxfe])(\d+)", spec)}
     for flag in ("balanced", "select_in_attention"):
         if flag in kw:
             kw[flag] = bool(kw[flag])
@@ -143,6 +144,8 @@ def parse_variant(spec):
         kw["attend"] = "pallas" if kw["attend"] else "cuda"
     if "score" in kw:
         kw["score"] = "xla" if kw["score"] else "pallas"
+    if "select" in kw:
+        kw["select"] = "cuda" if kw["select"] else "pallas"
     return f"kernel_{spec}", GpuDecodeTuning(**kw)
 
 
@@ -375,8 +378,8 @@ def main(argv=None):
                          "g attention stages, c score_chunk, v score warps, t select warps, "
                          "a1 the balanced attention (CUDA: stream-K, a0 even splits), "
                          "p1 the Pallas attention, n the CUDA attention's blocks, "
-                         "x1 the scoring in XLA, f1 the lists chosen in the CUDA attention "
-                         "(e.g. b4s2w2g1c64v4t4, b4a1, b4a1n66)")
+                         "x1 the scoring in XLA, f1 the lists chosen in the CUDA attention, "
+                         "e1 the CUDA selection kernel (e.g. b4s2w2g1c64v4t4, b4a1, b4a1n66)")
     ap.add_argument("--triton-configs", default="",
                     help="Triton kernel variants (TritonDecodeTuning), comma separated: "
                          "'default', or letters+numbers: b block_pages, s splits, w attention "

@@ -19,9 +19,10 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
-                                               default_cuda_splits, unavailable,
-                                               unsupported_args)
-from pallas_kernels.sparse_decode_gpu import GpuDecodeTuning, resolve_attend, sparse_decode_pallas
+                                               default_cuda_splits, select_lists_cuda,
+                                               unavailable, unsupported_args)
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, resolve_attend, select_from_keys,
+                                              sparse_decode_pallas)
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case
 from test_sparse_kernel import as64, make_case, reference
 
@@ -288,6 +289,57 @@ def test_keys_chosen_in_the_attention_match_the_rule(family, splits):
     assert_kernel_close(as64(out), want, low_precision=True)
 
 
+@needs_cuda
+@pytest.mark.parametrize("r", [1, 4, 8])
+@pytest.mark.parametrize("how", [dict(splits=1), dict(balanced=True)])
+def test_step_with_the_cuda_selection_matches_float64(r, how):
+    """``select="cuda"``: the lists from the CUDA selection kernel (not chosen inside the
+    attention), then the CUDA attention, even splits or stream-K."""
+    check_step(np.random.default_rng(r + 60), KERNEL_LENGTHS, KERNEL_BUDGETS, r, select="cuda",
+               select_in_attention=False, **how)
+
+
+@needs_cuda
+@pytest.mark.parametrize("family", list(KEY_FAMILIES))
+def test_cuda_selection_writes_the_pallas_lists(family):
+    """The CUDA selection kernel on the stressing keys: its lists are the rule's (NumPy),
+    entries past the count repeat the row's last page up to kpad, the counters are zeros;
+    and every written entry is the Pallas selection's."""
+    rng = np.random.default_rng(len(family) + 90)
+    b, hkv, width, pool, max_pages, kpad = 5, 2, 320, 2000, 64, 64
+    lengths = np.array([300 * P, 211 * P - 5, 40 * P, 17, 0], np.int32)
+    budgets = np.array([40, 3, 64, 5, 9], np.int32)
+    keys = np.stack([np.stack([KEY_FAMILIES[family](rng, width) for _ in range(b)])
+                     for _ in range(hkv)]).astype(np.int32)
+    table = rng.permutation(pool)[: b * width].reshape(b, width).astype(np.int32)
+    args = (jnp.asarray(keys), jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(budgets))
+    size = dict(page_size=P, max_pages=max_pages, kpad=kpad)
+    phys, slots, count, zeros = (np.asarray(x) for x in jax.jit(
+        functools.partial(select_lists_cuda, **size))(*args))
+    want_slots, want_counts = chosen_lists_np(keys, lengths, budgets, width=width,
+                                              max_pages=max_pages)
+    np.testing.assert_array_equal(count, want_counts)
+    np.testing.assert_array_equal(zeros, 0)
+    for i in range(b):
+        last = max(min(-(-int(lengths[i]) // P), width) - 1, 0)
+        for h in range(hkv):
+            n = int(want_counts[i, h, 0])
+            want = np.concatenate([want_slots[i, h, :n], np.full(kpad - n, last)])
+            np.testing.assert_array_equal(slots[i, h, :kpad], want)
+            np.testing.assert_array_equal(phys[i, h, :kpad], table[i, want])
+    # The Pallas selection takes power-of-two tables, and keys as the scoring writes them:
+    # the lowest key on every slot that is not eligible (page 0, the last two, past the row).
+    mpad, slot = 512, np.arange(512)
+    pages = -(-lengths.astype(np.int64) // P)
+    eligible = (slot >= 1) & (slot < pages[:, None] - 2)                     # [B, Mpad]
+    marked = np.where(eligible, np.pad(keys, ((0, 0), (0, 0), (0, mpad - width))),
+                      np.iinfo(np.int32).min).astype(np.int32)
+    table_pad = jnp.pad(args[1], ((0, 0), (0, mpad - width)))
+    pallas = select_from_keys(jnp.asarray(marked), table_pad, *args[2:], **size, arrivals=True)
+    for got, other in zip((phys, slots, count, zeros), pallas):
+        np.testing.assert_array_equal(got[..., :kpad], np.asarray(other)[..., :kpad])
+
+
 # ---------------------------------------------------------------- the choice, on any host
 
 def test_choice_between_cuda_and_pallas():
@@ -311,6 +363,17 @@ def test_choice_between_cuda_and_pallas():
         resolve_attend("cuda", q, k, P, interpret=True)
     with pytest.raises(ValueError, match="attend must be one of"):
         GpuDecodeTuning(attend="triton")
+    with pytest.raises(ValueError, match="select must be one of"):
+        GpuDecodeTuning(select="auto")
+    keys, table = jnp.zeros((2, 1, 8200), jnp.int32), jnp.zeros((1, 8200), jnp.int32)
+    with pytest.raises(ValueError, match=r"^select_lists_cuda: takes tables of 1 to 8192 slots, "
+                                         r"have 8200$"):
+        select_lists_cuda(keys, table, jnp.ones((1,), jnp.int32), jnp.ones((1,), jnp.int32),
+                          page_size=P, max_pages=64, kpad=64)
+    with pytest.raises(ValueError, match=r"select='cuda'\): it runs on a GPU only"):
+        select_from_keys(keys[..., :64], table[:, :64], jnp.ones((1,), jnp.int32),
+                         jnp.ones((1,), jnp.int32), page_size=P, max_pages=16, kpad=16,
+                         tuning=GpuDecodeTuning(select="cuda"), interpret=True)
     with pytest.raises(ValueError, match=r"attend_programs must be in \[1, 4096\], got 0"):
         GpuDecodeTuning(attend_programs=0)
     with pytest.raises(ValueError, match="splits must be <= 4096 for the CUDA attention"):
@@ -434,6 +497,20 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
                                          r"attention needs .*; have 2 lists x 9 splits"):
         attend_selected_cuda(q, k, v, keys, table, lengths, jnp.asarray([8]), page_size=P,
                              max_pages=20, splits=9)
+
+
+def test_cuda_selection_where_asked(monkeypatch):
+    """On any host: ``select="cuda"`` lowered for an H100 (lists not chosen inside the
+    attention) makes the CUDA selection call in place of the Pallas selection kernel, its
+    lists and zeros going to the attention."""
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    text = step_lowered_for_an_h100(
+        GpuDecodeTuning(attend="cuda", select_in_attention=False, select="cuda"), (300, 200))
+    assert re.findall(r'name = "([a-z_]+)", num_stages', text) == ["sparse_decode_score"]
+    assert re.search(r"stablehlo.custom_call @sparrow_sparse_select_lists\(.*max_pages = 20 "
+                     r": i64, page_size = 16 : i64", text)
+    assert "@sparrow_sparse_attend(" in text
 
 
 def test_clusters_only_where_they_apply():
