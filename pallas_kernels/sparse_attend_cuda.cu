@@ -341,6 +341,31 @@ __device__ __forceinline__ void stage(const int* lists, const int* slots, int li
 }
 
 // Inclusive prefix sums over the block of one value a thread, and the block's total.
+// Entries [row, row + n) of a list, at most STAGED_EACH a thread, loaded into registers
+// before the block waits on something else and stored to its staged entries after the wait,
+// so that neither the loads nor the stores hold the wait up.
+constexpr int STAGED_EACH = 2;
+
+__device__ __forceinline__ void load_entries(const int* lists, const int* slots, int64_t row,
+                                             int n, int (&phys)[STAGED_EACH],
+                                             int (&slot)[STAGED_EACH]) {
+#pragma unroll
+  for (int u = 0; u < STAGED_EACH; ++u) {
+    const int j = threadIdx.x + u * WARPS * 32;
+    if (j < n) phys[u] = lists[row + j], slot[u] = slots[row + j];
+  }
+}
+
+__device__ __forceinline__ void store_entries(int n, const int (&phys)[STAGED_EACH],
+                                              const int (&slot)[STAGED_EACH], int* s_phys,
+                                              int* s_slot) {
+#pragma unroll
+  for (int u = 0; u < STAGED_EACH; ++u) {
+    const int j = threadIdx.x + u * WARPS * 32;
+    if (j < n) s_phys[j] = phys[u], s_slot[j] = slot[u];
+  }
+}
+
 __device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int x = value;
@@ -638,31 +663,19 @@ __global__ void __launch_bounds__(WARPS * 32)
   // waits, on the guess that the list is full (count == list_len: every list of a row past
   // its budget), so that these loads overlap the scan of the counts instead of following it
   // (kernel run AR: at batch 1 the scan took 0.8 us and the staging after it 1.4 of 10.5).
-  constexpr int GUESS_EACH = 2;   // entries a thread holds in registers until they are stored
   const int guess_each = (list_len + splits - 1) / splits;
   const int guess_from = min((first_part % splits) * guess_each, list_len);
   const int guess_n = min(guess_each, list_len - guess_from);
   const bool guessed = !kSelect && balance <= 0 && first_part < even_blocks &&
-                       guess_n <= min(cap, GUESS_EACH * WARPS * 32);
+                       guess_n <= min(cap, STAGED_EACH * WARPS * 32);
   const int guess_count = guessed ? counts[first_part / splits] : 0;
-  int guess_phys[GUESS_EACH], guess_slot[GUESS_EACH];
-  if (guessed) {
-    const int64_t row = static_cast<int64_t>(first_part / splits) * list_len + guess_from;
-#pragma unroll
-    for (int u = 0; u < GUESS_EACH; ++u) {
-      const int j = threadIdx.x + u * WARPS * 32;
-      if (j < guess_n) guess_phys[u] = lists[row + j], guess_slot[u] = slots[row + j];
-    }
-  }
+  int guess_phys[STAGED_EACH], guess_slot[STAGED_EACH];
+  if (guessed)
+    load_entries(lists, slots, static_cast<int64_t>(first_part / splits) * list_len + guess_from,
+                 guess_n, guess_phys, guess_slot);
   // Even splits asked for (the host knows the lists are of one length): no scan.
   if (balance != 0) list_ends(counts, list_len, n_lists, s_ends, s_warp, &s_most);
-  if (guessed) {   // stored only now, so that a thread's stores do not wait before the scan
-#pragma unroll
-    for (int u = 0; u < GUESS_EACH; ++u) {
-      const int j = threadIdx.x + u * WARPS * 32;
-      if (j < guess_n) s_phys[j] = guess_phys[u], s_slot[j] = guess_slot[u];
-    }
-  }
+  if (guessed) store_entries(guess_n, guess_phys, guess_slot, s_phys, s_slot);
   __syncthreads();
   const int64_t head_pages = n_pages * P * D;
 
@@ -756,16 +769,12 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int from = min(split * each, count), to = min(from + each, count);
       const int next = v + step;
       const bool ahead = splits == 1 && next < even_blocks;
-      int next_count = 0, next_phys = 0, ahead_phys[GUESS_EACH], ahead_slot[GUESS_EACH];
+      int next_count = 0, next_phys = 0, ahead_phys[STAGED_EACH], ahead_slot[STAGED_EACH];
       if (ahead) {
         const int64_t row = static_cast<int64_t>(next) * list_len;
         next_count = counts[next];
         if (warp < list_len) next_phys = lists[row + warp];
-#pragma unroll
-        for (int u = 0; u < GUESS_EACH; ++u) {
-          const int j = threadIdx.x + u * WARPS * 32;
-          if (j < list_len) ahead_phys[u] = lists[row + j], ahead_slot[u] = slots[row + j];
-        }
+        load_entries(lists, slots, row, list_len, ahead_phys, ahead_slot);
       }
       attend(i, from, to, a,
              staged_ahead ||
@@ -784,12 +793,8 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
       finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
-      if (ahead && count_ahead <= min(cap, GUESS_EACH * WARPS * 32)) {
-#pragma unroll
-        for (int u = 0; u < GUESS_EACH; ++u) {
-          const int j = threadIdx.x + u * WARPS * 32;
-          if (j < count_ahead) s_phys[j] = ahead_phys[u], s_slot[j] = ahead_slot[u];
-        }
+      if (ahead && count_ahead <= min(cap, STAGED_EACH * WARPS * 32)) {
+        store_entries(count_ahead, ahead_phys, ahead_slot, s_phys, s_slot);
         __syncthreads();
         staged_ahead = true;
       }
