@@ -340,7 +340,6 @@ __device__ __forceinline__ void stage(const int* lists, const int* slots, int li
   }
 }
 
-// Inclusive prefix sums over the block of one value a thread, and the block's total.
 // Entries [row, row + n) of a list, at most STAGED_EACH a thread, loaded into registers
 // before the block waits on something else and stored to its staged entries after the wait,
 // so that neither the loads nor the stores hold the wait up.
@@ -366,6 +365,7 @@ __device__ __forceinline__ void store_entries(int n, const int (&phys)[STAGED_EA
   }
 }
 
+// Inclusive prefix sums over the block of one value a thread, and the block's total.
 __device__ __forceinline__ int block_scan(int value, int* warp_sums, int* total) {
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   int x = value;
