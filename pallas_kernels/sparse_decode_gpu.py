@@ -8,18 +8,14 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    order of the scores (ineligible slots get the smallest key). Reads one key-sized vector per
    page of the row (two for Quest), nothing past it (masked loads). The same keys from XLA
    (:func:`score_keys_xla`) are an option (``GpuDecodeTuning.score``).
-2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key found by a bitwise
-   threshold search (from the sign bit down, one block-wide count per bit over the row held on
-   chip, stopping once exactly ``K - 3`` keys reach the threshold; no sort), ties to the lower
-   page index by a bitwise search over slot indices, plus the reserved pages; the chosen slots
-   are compacted in page order (a prefix sum) into a page list; it also zeroes the balanced
-   attention's arrival counter of its list (else an XLA launch of its own); or the CUDA
-   attention's blocks choose their lists themselves, or its choice runs alone.
-   The selection covers the smallest power of two of slots (256 at least) that holds the row's
-   pages, and its searches are skipped when the budget covers the row; scoring programs past
-   the row's pages only mark their slots. So a short row costs about the same whatever the
-   table's width, which the batch's longest row sets (continuous refill: a long row beside
-   many short ones).
+2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key by a bitwise threshold
+   search (a block-wide count per bit from the sign bit down, stopping once exactly ``K - 3``
+   keys reach it; no sort), ties to the lower page by a bitwise search over slots, plus the
+   reserved pages, compacted in page order into a page list (it also zeroes the balanced
+   attention's arrival counter). Its cost, and the scoring's, follows the row's length, not
+   the table's width (continuous refill: a long row beside short ones). The CUDA selection
+   (``GpuDecodeTuning.select``) writes the same lists; where the CUDA attention's blocks
+   each hold one list part, they choose their lists themselves.
 3. the attention over the lists (:mod:`pallas_kernels.paged_attend_gpu`, shared with dense
    decode): online softmax of all query heads of the group over the listed pages, each list
    split (flash-decoding) so that small batches still fill the GPU, each split looping only
@@ -29,9 +25,8 @@ Shapes inside the kernels are powers of two (Triton's rule): the page table is p
 ``Mpad`` slots, the page list to ``Kpad`` entries, and a group's query heads are read from the
 unpadded ``[B, Hq, D]`` into ``Rpad >= 16`` rows (the matrix units' minimum; so any group size,
 e.g. 5, works) by a masked load inside the kernels: padding in XLA cost a kernel launch a
-layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settings that change
-speed, never the result, are one static :class:`GpuDecodeTuning`. Variants measured and found
-no faster, and the commits that hold them: notes/kernel_notes.md.
+layer, and 16 rows where Qwen3-1.7B's group holds 2 are 8x the bytes. The settings are one
+static :class:`GpuDecodeTuning`; variants found no faster: notes/kernel_notes.md.
 """
 
 from __future__ import annotations
@@ -48,6 +43,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, group_queries,
                                              pow2, sm_count)
+from pallas_kernels.sparse_attend_cuda import MAX_CHOICE_WIDTH as CUDA_MAX_CHOICE_WIDTH
 from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
                                                default_cuda_splits, select_lists_cuda,
@@ -71,7 +67,7 @@ def _is_pow2(x: int) -> bool:
 
 ATTEND_IMPLS = ("auto", "cuda", "pallas")
 SCORE_IMPLS = ("pallas", "xla")
-SELECT_IMPLS = ("pallas", "cuda")
+SELECT_IMPLS = ("auto", "pallas", "cuda")
 
 
 def resolve_attend(choice: str, q, k_pages, page_size: int, interpret: bool) -> str:
@@ -174,8 +170,10 @@ class GpuDecodeTuning:
       model, where its arrays are not warm; BENCHMARKS.md, kernel run AT, rollout runs U-W).
       The two sum in different orders, so near-tied pages may be chosen differently.
     select: the selection where the attention does not choose the lists: ``"pallas"``
-      (:func:`_select_kernel`) or ``"cuda"`` (the CUDA attention's choice alone, one block a
-      list: :func:`pallas_kernels.sparse_attend_cuda.select_lists_cuda`).
+      (:func:`_select_kernel`), ``"cuda"`` (the CUDA attention's choice alone, one block a
+      list: :func:`pallas_kernels.sparse_attend_cuda.select_lists_cuda`; tables up to 8192
+      slots), or ``"auto"``: cuda with the CUDA attention. H100, 32K, budget 2048: the step's
+      device time 3.0-3.5 us shorter at 32 rows, 1.3-1.6 at 19 (kernel run BE).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -189,7 +187,7 @@ class GpuDecodeTuning:
     attend_programs: int | None = None
     score: str = "pallas"
     select_in_attention: bool | None = None
-    select: str = "pallas"
+    select: str = "auto"
 
     def __post_init__(self):
         check_launch_settings(self)
@@ -583,9 +581,11 @@ def score_keys_xla(q, summaries, table, lengths, *, page_size):
 
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
                      tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
-    """The selection kernel alone (the CUDA one with ``tuning.select`` "cuda"): keys ``[Hkv,
-    B, Mpad]``, table ``[B, Mpad]`` -> the lists of :func:`select_page_lists` (and arrivals)."""
-    if tuning.select == "cuda":
+    """The selection kernel alone (``tuning.select``): keys ``[Hkv, B, Mpad]``, table ``[B,
+    Mpad]`` -> the lists of :func:`select_page_lists` (and arrivals)."""
+    # "auto": the CUDA selection where the CUDA attention runs (it needs the same machine).
+    if tuning.select == "cuda" or (tuning.select == "auto" and tuning.attend == "cuda"
+                                   and keys.shape[2] <= CUDA_MAX_CHOICE_WIDTH):
         why = "it runs on a GPU only, not in interpret mode" if interpret else cuda_unavailable()
         if why is not None:
             raise ValueError(f"GpuDecodeTuning(select='cuda'): {why}")

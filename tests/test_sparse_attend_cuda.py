@@ -364,7 +364,7 @@ def test_choice_between_cuda_and_pallas():
     with pytest.raises(ValueError, match="attend must be one of"):
         GpuDecodeTuning(attend="triton")
     with pytest.raises(ValueError, match="select must be one of"):
-        GpuDecodeTuning(select="auto")
+        GpuDecodeTuning(select="triton")
     keys, table = jnp.zeros((2, 1, 8200), jnp.int32), jnp.zeros((1, 8200), jnp.int32)
     with pytest.raises(ValueError, match=r"^select_lists_cuda: takes tables of 1 to 8192 slots, "
                                          r"have 8200$"):
@@ -433,7 +433,7 @@ def test_step_lowers_to_the_cuda_call_for_an_h100(monkeypatch, splits):
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
     text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", splits=splits,
-                                                    select_in_attention=False))
+                                                    select_in_attention=False, select="pallas"))
     kernels = re.findall(r'name = "([a-z_]+)", num_stages', text)
     assert kernels == ["sparse_decode_score", "sparse_decode_select"]
     call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(([^)]*)\).*splits = (\d+)",
@@ -481,7 +481,7 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
     assert "@sparrow_sparse_attend(" not in text
     stream_k = GpuDecodeTuning(attend="cuda", select_in_attention=None, balanced=True)
     text = step_lowered_for_an_h100(stream_k, lengths)
-    assert "@sparrow_sparse_attend(" in text and "sparse_decode_select" in text
+    assert "@sparrow_sparse_attend(" in text and "@sparrow_sparse_select_lists(" in text
     with pytest.raises(ValueError, match=r"^choosing the lists inside the attention needs even "
                                          r"splits of 1 to 8 parts, .*; have \d lists x \d+ "
                                          r"splits on 132 blocks \(balanced=True\), 32 slots"):
@@ -499,18 +499,46 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
                              max_pages=20, splits=9)
 
 
-def test_cuda_selection_where_asked(monkeypatch):
-    """On any host: ``select="cuda"`` lowered for an H100 (lists not chosen inside the
-    attention) makes the CUDA selection call in place of the Pallas selection kernel, its
-    lists and zeros going to the attention."""
+@pytest.mark.parametrize("select", ["cuda", "auto"])
+def test_cuda_selection_where_asked(monkeypatch, select):
+    """On any host: ``select="cuda"``, and "auto" with the CUDA attention, lowered for an H100
+    (lists not chosen inside the attention) make the CUDA selection call in place of the
+    Pallas selection kernel, its lists and zeros going to the attention."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
     text = step_lowered_for_an_h100(
-        GpuDecodeTuning(attend="cuda", select_in_attention=False, select="cuda"), (300, 200))
+        GpuDecodeTuning(attend="cuda", select_in_attention=False, select=select), (300, 200))
     assert re.findall(r'name = "([a-z_]+)", num_stages', text) == ["sparse_decode_score"]
-    assert re.search(r"stablehlo.custom_call @sparrow_sparse_select_lists\(.*max_pages = 20 "
-                     r": i64, page_size = 16 : i64", text)
-    assert "@sparrow_sparse_attend(" in text
+    call = re.search(r"(%\d+):4 = stablehlo.custom_call @sparrow_sparse_select_lists\(.*"
+                     r"max_pages = 20 : i64, page_size = 16 : i64", text)
+    attend = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(([^)]*)\)", text)
+    operands = attend.group(1).split(", ")
+    assert operands[3:6] + operands[7:8] == [f"{call.group(1)}#{i}" for i in range(4)]
+
+
+@pytest.mark.parametrize("attend, width, want", [("cuda", 8192, "cuda"), ("cuda", 16384, ""),
+                                                 ("pallas", 256, "")])
+def test_auto_selection_is_the_cuda_one_with_the_cuda_attention(monkeypatch, attend, width,
+                                                                want):
+    """On any host: ``select="auto"`` is the CUDA selection where the attention is the CUDA
+    one and the table fits it (8192 slots), else the Pallas kernel."""
+    from jax._src import mesh as mesh_lib
+
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    keys = jax.ShapeDtypeStruct((2, 3, width), jnp.int32)
+    table = jax.ShapeDtypeStruct((3, width), jnp.int32)
+    rows = jax.ShapeDtypeStruct((3,), jnp.int32)
+    select = functools.partial(select_from_keys, page_size=P, max_pages=64, kpad=64,
+                               tuning=GpuDecodeTuning(attend=attend))
+    h100 = mesh_lib.AbstractDevice(device_kind="NVIDIA H100 80GB HBM3", num_cores=132,
+                                   platform="gpu")
+    with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((1,), ("x",),
+                                                                  abstract_device=h100)):
+        text = jax.jit(select).trace(keys, table, rows, rows).lower(
+            lowering_platforms=("cuda",)).as_text()
+    assert ("@sparrow_sparse_select_lists(" in text) == (want == "cuda")
+    assert ('name = "sparse_decode_select"' in text) == (want != "cuda")
 
 
 def test_clusters_only_where_they_apply():
