@@ -653,6 +653,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
                         warp * STAGES * 2 * PAGE_BYTES;
   const int blocks = gridDim.x, even_blocks = n_lists * splits;
+  // Launched by programmatic dependent launch (the fourth handler), the block started while
+  // the selection drained: nothing it wrote is read before this (a no-op otherwise).
+  asm volatile("griddepcontrol.wait;" ::: "memory");
   // Even parts fewer than the blocks go to every stride-th block, so that the working blocks
   // spread over the GPU instead of filling the first SMs (kernel run AR, batch 8: 64 parts on
   // 132 blocks, the attention 23.4 us against 30.3 on the first 64 blocks of one H200, 22.8
@@ -827,6 +830,9 @@ __global__ void __launch_bounds__(THREADS, 2)
     select_kernel(Choice c, const int* __restrict__ lengths, int hkv, int kpad, int* phys,
                   int* slots, int* counts, int* arrivals) {
   extern __shared__ __align__(16) uint8_t scratch[];
+  // An attention launched after it with programmatic dependent launch (the fourth handler)
+  // may start its blocks now; they wait for this grid's writes before reading them.
+  asm volatile("griddepcontrol.launch_dependents;");
   const int i = blockIdx.x, b = i / hkv;
   const int length = lengths[b];
   int* phys_row = phys + static_cast<int64_t>(i) * 2 * kpad;
@@ -908,7 +914,7 @@ ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
                   const int* lists, const int* slots, const int* counts, const int* lengths,
                   void* out, float* part_o, float* part_lse, int* arrivals, int64_t lists_n,
                   int list_len, int64_t splits, int64_t programs, int64_t balance,
-                  int64_t cluster, int64_t longest, Choice choice) {
+                  int64_t cluster, int64_t longest, Choice choice, bool pdl = false) {
   ffi::ErrorOr<int> limit = RaiseSharedLimit();
   if (limit.has_error()) return limit.error();
   const int64_t room = (*limit - RING_BYTES - MERGE_BYTES - 4 * lists_n) / 8;
@@ -918,18 +924,28 @@ ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
         "sparrow_sparse_attend: " + std::to_string(lists_n) + " lists leave too little shared "
         "memory to stage their entries");
   }
-  // One row's clusters (kCluster) need the launch attribute; without it this is a plain launch.
-  cudaLaunchAttribute attribute;
-  attribute.id = cudaLaunchAttributeClusterDimension;
-  attribute.val.clusterDim.x = static_cast<unsigned>(cluster);
-  attribute.val.clusterDim.y = attribute.val.clusterDim.z = 1;
+  // One row's clusters (kCluster) and programmatic dependent launch need launch attributes;
+  // without either this is a plain launch.
+  cudaLaunchAttribute attributes[2];
+  int n_attributes = 0;
+  if (cluster > 1) {
+    attributes[n_attributes].id = cudaLaunchAttributeClusterDimension;
+    attributes[n_attributes].val.clusterDim.x = static_cast<unsigned>(cluster);
+    attributes[n_attributes].val.clusterDim.y = attributes[n_attributes].val.clusterDim.z = 1;
+    ++n_attributes;
+  }
+  if (pdl) {
+    attributes[n_attributes].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+    attributes[n_attributes].val.programmaticStreamSerializationAllowed = 1;
+    ++n_attributes;
+  }
   cudaLaunchConfig_t launch = {};
   launch.gridDim = dim3(static_cast<unsigned>(programs));
   launch.blockDim = dim3(WARPS * 32);
   launch.dynamicSmemBytes = RING_BYTES + MERGE_BYTES + 8 * cap + 4 * lists_n;
   launch.stream = stream;
-  launch.attrs = &attribute;
-  launch.numAttrs = cluster > 1 ? 1 : 0;
+  launch.attrs = attributes;
+  launch.numAttrs = n_attributes;
   auto kd = k.dimensions();
   const int hkv = static_cast<int>(kd[0]);
   const int group = static_cast<int>(q.dimensions()[1] / kd[0]);
@@ -1001,22 +1017,21 @@ ffi::Error SelectAttend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                 (max_pages + splits - 1) / splits, choice);
 }
 
-// The third handler: keys [Hkv, B, width], table [B, width], lengths and budgets [B] ->
-// phys and slots [B, Hkv, 2 kpad], counts and zeros [B, Hkv, 1] (select_kernel).
-ffi::Error SelectLists(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
-                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
-                       ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::Buffer<ffi::S32>> phys,
-                       ffi::Result<ffi::Buffer<ffi::S32>> slots,
-                       ffi::Result<ffi::Buffer<ffi::S32>> counts,
-                       ffi::Result<ffi::Buffer<ffi::S32>> arrivals, int64_t page_size,
-                       int64_t max_pages) {
-  auto keyd = keys.dimensions(), td = table.dimensions(), pd = phys->dimensions();
+// The third handler's launch: keys [Hkv, B, width], table [B, width], lengths and budgets
+// [B] -> phys and slots [B, Hkv, 2 kpad], counts and zeros [B, Hkv, 1] (select_kernel).
+ffi::Error LaunchSelect(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
+                        ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                        ffi::Buffer<ffi::S32> budgets, ffi::Buffer<ffi::S32> phys,
+                        ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> counts,
+                        ffi::Buffer<ffi::S32> arrivals, int64_t page_size, int64_t max_pages,
+                        const char* name) {
+  auto keyd = keys.dimensions(), td = table.dimensions(), pd = phys.dimensions();
   if (keyd.size() != 3 || td.size() != 2 || pd.size() != 3 || td[0] != keyd[1] ||
       td[1] != keyd[2] || keyd[2] < 1 || keyd[2] > MAX_CHOICE_WIDTH ||
       lengths.dimensions()[0] != keyd[1] || budgets.dimensions()[0] != keyd[1] ||
       pd[0] != keyd[1] || pd[1] != keyd[0] || pd[2] % 2 != 0 || page_size < 1 ||
       max_pages < RESERVED || max_pages > pd[2] / 2) {
-    return ffi::Error::InvalidArgument("sparrow_sparse_select_lists: unsupported arguments");
+    return ffi::Error::InvalidArgument(std::string(name) + ": unsupported arguments");
   }
   const int64_t lists = keyd[0] * keyd[1];
   if (lists == 0) return ffi::Error::Success();
@@ -1035,11 +1050,59 @@ ffi::Error SelectLists(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
                       static_cast<int>(page_size), static_cast<int>(max_pages)};
   select_kernel<<<static_cast<unsigned>(lists), THREADS, bytes, stream>>>(
       choice, lengths.typed_data(), static_cast<int>(keyd[0]), static_cast<int>(pd[2] / 2),
-      phys->typed_data(), slots->typed_data(), counts->typed_data(), arrivals->typed_data());
+      phys.typed_data(), slots.typed_data(), counts.typed_data(), arrivals.typed_data());
   return Check(cudaGetLastError(), "sparrow_sparse_select_lists launch");
 }
 
-// What both handlers take first: the stream, q, the K and V pages, and four int32 arrays.
+ffi::Error SelectLists(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
+                       ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+                       ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::Buffer<ffi::S32>> phys,
+                       ffi::Result<ffi::Buffer<ffi::S32>> slots,
+                       ffi::Result<ffi::Buffer<ffi::S32>> counts,
+                       ffi::Result<ffi::Buffer<ffi::S32>> arrivals, int64_t page_size,
+                       int64_t max_pages) {
+  return LaunchSelect(stream, keys, table, lengths, budgets, *phys, *slots, *counts, *arrivals,
+                      page_size, max_pages, "sparrow_sparse_select_lists");
+}
+
+// The fourth handler: the third's lists, then the first handler's attention over them in one
+// custom call (one node of XLA's command buffer, not two), launched by programmatic dependent
+// launch so that its blocks start while the selection drains. Its results are the attention's
+// and the lists it attended (phys, slots, counts, arrivals as the third handler's).
+ffi::Error SelectListsAttend(
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+    ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::Buffer<ffi::S32>> phys, ffi::Result<ffi::Buffer<ffi::S32>> slots,
+    ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> arrivals,
+    ffi::Result<ffi::Buffer<ffi::F32>> part_o, ffi::Result<ffi::Buffer<ffi::F32>> part_lse,
+    int64_t splits, int64_t programs, int64_t balance, int64_t page_size, int64_t max_pages) {
+  const char* name = "sparrow_sparse_select_lists_attend";
+  auto kd = k.dimensions(), ld = phys->dimensions();
+  if (ld.size() != 3 || !PagesFit(q, k, v, ld[0]) || kd[0] != ld[1] || splits < 1 ||
+      splits > MAX_PARTS || programs < 1 || programs > MAX_PARTS || balance < -1 ||
+      balance > 1) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": unsupported arguments");
+  }
+  if (auto e = LaunchSelect(stream, keys, table, lengths, budgets, *phys, *slots, *counts,
+                            *arrivals, page_size, max_pages, name);
+      e.failure()) {
+    return e;
+  }
+  // As the first handler takes the third's lists: rows of 2 kpad entries, counts <= kpad.
+  const int list_len = static_cast<int>(ld[2]);
+  const int64_t lists = ld[0] * ld[1];
+  if (lists == 0) return ffi::Error::Success();
+  const int64_t longest = std::max<int64_t>(
+      (lists * std::max(list_len, 1) + programs - 1) / programs, (list_len + splits - 1) / splits);
+  return Launch(stream, q, k, v, phys->typed_data(), slots->typed_data(), counts->typed_data(),
+                lengths.typed_data(), out->untyped_data(), part_o->typed_data(),
+                part_lse->typed_data(), arrivals->typed_data(), lists, list_len, splits,
+                programs, balance, 1, longest, Choice{}, /*pdl=*/true);
+}
+
+// What the attention's handlers take first: the stream, q, the K and V pages, and four int32
+// arrays.
 auto PagesAndFourArrays() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
@@ -1050,6 +1113,16 @@ auto PagesAndFourArrays() {
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>()
       .Arg<ffi::Buffer<ffi::S32>>();
+}
+
+// The selection's results after what `binding` holds: phys, slots, counts and zeros.
+template <typename Binding>
+auto ListResults(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>()
+      .template Ret<ffi::Buffer<ffi::S32>>();
 }
 
 }  // namespace
@@ -1075,17 +1148,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectAttend, SelectAttend,
                                   .Attr<int64_t>("max_pages"),
                               {ffi::Traits::kCmdBufferCompatible});
 
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectListsAttend, SelectListsAttend,
+                              ListResults(PagesAndFourArrays().Ret<ffi::AnyBuffer>())
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("programs")
+                                  .Attr<int64_t>("balance")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("max_pages"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectLists, SelectLists,
-                              ffi::Ffi::Bind()
-                                  .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Arg<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
+                              ListResults(ffi::Ffi::Bind()
+                                              .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                              .Arg<ffi::Buffer<ffi::S32>>()
+                                              .Arg<ffi::Buffer<ffi::S32>>()
+                                              .Arg<ffi::Buffer<ffi::S32>>()
+                                              .Arg<ffi::Buffer<ffi::S32>>())
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("max_pages"),
                               {ffi::Traits::kCmdBufferCompatible});

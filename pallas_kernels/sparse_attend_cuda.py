@@ -13,7 +13,9 @@ runs AJ and AK).
 :func:`attend_selected_cuda` is the same attention whose blocks choose their lists
 themselves from the scoring's keys (no selection kernel), where every block holds one part
 of one list in one wave (kernel run AW). :func:`select_lists_cuda` is that choice alone, one
-block a list, writing the lists the Pallas selection writes.
+block a list, writing the lists the Pallas selection writes; :func:`select_attend_lists_cuda`
+is it and the attention over its lists in one call, the attention started by programmatic
+dependent launch while the selection drains.
 
 Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
 an NVIDIA Hopper GPU (compute capability 9.x: H100, H200; measured on an H200), and ``nvcc``
@@ -40,6 +42,7 @@ SOURCE = Path(__file__).with_suffix(".cu")
 TARGET = "sparrow_sparse_attend"
 SELECT_TARGET = "sparrow_sparse_select_attend"
 LISTS_TARGET = "sparrow_sparse_select_lists"
+LISTS_ATTEND_TARGET = "sparrow_sparse_select_lists_attend"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 # The kernel's warps a block, and the most parts a list may be merged from (the blocks, or
 # the even splits: their weights fill the shared memory of the kernel's page ring).
@@ -57,7 +60,9 @@ def _registered() -> str | None:
     return (register(SOURCE, "SparrowSparseAttend", TARGET, "the CUDA attention")
             or register(SOURCE, "SparrowSparseSelectAttend", SELECT_TARGET,
                         "the CUDA attention")
-            or register(SOURCE, "SparrowSparseSelectLists", LISTS_TARGET, "the CUDA attention"))
+            or register(SOURCE, "SparrowSparseSelectLists", LISTS_TARGET, "the CUDA attention")
+            or register(SOURCE, "SparrowSparseSelectListsAttend", LISTS_ATTEND_TARGET,
+                        "the CUDA attention"))
 
 
 def unavailable() -> str | None:
@@ -119,33 +124,15 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     _registered()
     b, hq, d = q.shape
     hkv = k_pages.shape[0]
-    group = hq // hkv
-    lists, width = b * hkv, phys.shape[-1]
-    programs = sm_count() if programs is None else programs
-    splits = default_cuda_splits(lists, width, sm_count()) if splits is None else splits
-    if not (1 <= programs <= MAX_PARTS and 1 <= splits <= MAX_PARTS):
-        raise ValueError(f"attend_page_lists_cuda: programs and splits must be in "
-                         f"[1, {MAX_PARTS}], got {programs} and {splits}")
-    if balanced is None and b == 1:
-        balanced = False
-    clusters = balanced is False and 2 <= splits <= MAX_CLUSTER and lists * splits <= programs
-    if cluster and not clusters:
-        raise ValueError(f"attend_page_lists_cuda: cluster=True needs balanced=False and 2 to "
-                         f"{MAX_CLUSTER} splits on at least lists x splits programs, got "
-                         f"balanced={balanced}, splits={splits}, {lists} lists and {programs} "
-                         f"programs")
-    cluster = clusters if cluster is None else cluster
-    if cluster:
-        programs = lists * splits
+    splits, programs, balanced, cluster = _launch_settings(
+        "attend_page_lists_cuda", b, hkv, phys.shape[-1], splits, programs, balanced, cluster)
     if arrivals is None:
         arrivals = jnp.zeros((b, hkv, 1), jnp.int32)
-    parts = max(programs + lists, lists * splits)
     call = jax.ffi.ffi_call(
         TARGET,
         (jax.ShapeDtypeStruct(q.shape, q.dtype),
          jax.ShapeDtypeStruct(arrivals.shape, jnp.int32),
-         jax.ShapeDtypeStruct((parts, group, d), jnp.float32),
-         jax.ShapeDtypeStruct((parts, group), jnp.float32)),
+         *_part_buffers(b * hkv, hq // hkv, d, splits, programs)),
         input_output_aliases={7: 1})
     out, *_ = call(q, k_pages, v_pages, phys.astype(jnp.int32), slots.astype(jnp.int32),
                    count.astype(jnp.int32), lengths.astype(jnp.int32), arrivals,
@@ -153,6 +140,35 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
                    balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
                    cluster=np.int64(splits if cluster else 1))
     return out
+
+
+def _launch_settings(entry: str, b: int, hkv: int, width: int, splits, programs, balanced,
+                     cluster) -> tuple[int, int, bool | None, bool]:
+    """:func:`attend_page_lists_cuda`'s settings decided for ``b`` rows of ``hkv`` lists of
+    ``width`` entries -> (splits, programs, balanced, cluster); what it cannot take, one line
+    naming ``entry``."""
+    lists = b * hkv
+    programs = sm_count() if programs is None else programs
+    splits = default_cuda_splits(lists, width, sm_count()) if splits is None else splits
+    if not (1 <= programs <= MAX_PARTS and 1 <= splits <= MAX_PARTS):
+        raise ValueError(f"{entry}: programs and splits must be in [1, {MAX_PARTS}], got "
+                         f"{programs} and {splits}")
+    if balanced is None and b == 1:
+        balanced = False
+    clusters = balanced is False and 2 <= splits <= MAX_CLUSTER and lists * splits <= programs
+    if cluster and not clusters:
+        raise ValueError(f"{entry}: cluster=True needs balanced=False and 2 to {MAX_CLUSTER} "
+                         f"splits on at least lists x splits programs, got balanced={balanced}, "
+                         f"splits={splits}, {lists} lists and {programs} programs")
+    cluster = clusters if cluster is None else cluster
+    return splits, lists * splits if cluster else programs, balanced, cluster
+
+
+def _part_buffers(lists: int, group: int, d: int, splits: int, programs: int):
+    """The attention's partial results and their log-sum-exps (attend_kernel's parts)."""
+    parts = max(programs + lists, lists * splits)
+    return (jax.ShapeDtypeStruct((parts, group, d), jnp.float32),
+            jax.ShapeDtypeStruct((parts, group), jnp.float32))
 
 
 def selects_in_attention(lists: int, width: int, splits: int, programs: int, *,
@@ -216,12 +232,7 @@ def select_lists_cuda(keys, table, lengths, budget_pages, *, page_size: int, max
     count to kpad - 1 repeat the row's last page, those from kpad on are not written.
     Tables up to 8192 slots; anything else it does not take raises one line."""
     hkv, b, width = keys.shape
-    if not 1 <= width <= MAX_CHOICE_WIDTH:
-        raise ValueError(f"select_lists_cuda: takes tables of 1 to {MAX_CHOICE_WIDTH} slots, "
-                         f"have {width}")
-    if not 3 <= max_pages <= kpad:
-        raise ValueError(f"select_lists_cuda: max_pages must be in [3, kpad={kpad}], got "
-                         f"{max_pages}")
+    _check_choice("select_lists_cuda", width, max_pages, kpad)
     _registered()
     lists = jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32)
     one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
@@ -229,3 +240,48 @@ def select_lists_cuda(keys, table, lengths, budget_pages, *, page_size: int, max
         keys.astype(jnp.int32), table.astype(jnp.int32), lengths.astype(jnp.int32),
         budget_pages.astype(jnp.int32), page_size=np.int64(page_size),
         max_pages=np.int64(max_pages))
+
+
+def _check_choice(entry: str, width: int, max_pages: int, kpad: int) -> None:
+    if not 1 <= width <= MAX_CHOICE_WIDTH:
+        raise ValueError(f"{entry}: takes tables of 1 to {MAX_CHOICE_WIDTH} slots, have {width}")
+    if not 3 <= max_pages <= kpad:
+        raise ValueError(f"{entry}: max_pages must be in [3, kpad={kpad}], got {max_pages}")
+
+
+def select_attend_lists_cuda(q, k_pages, v_pages, keys, table, lengths, budget_pages, *,
+                             page_size: int, max_pages: int, kpad: int,
+                             splits: int | None = None, programs: int | None = None,
+                             balanced: bool | None = None):
+    """:func:`select_lists_cuda` then :func:`attend_page_lists_cuda` over its lists (the same
+    arguments, the same ``[B, Hq, D]`` result) in one custom call, whose attention is launched
+    by programmatic dependent launch: its blocks start while the selection drains and wait for
+    its lists, and XLA's command buffer holds one node for both instead of two. Where the
+    attention's settings merge each list's parts in a cluster of blocks, the two calls."""
+    why = unsupported_args(q, k_pages, page_size)
+    if why is not None:
+        raise ValueError(f"select_attend_lists_cuda: {why}")
+    b, hq, d = q.shape
+    hkv = k_pages.shape[0]
+    splits, programs, balanced, cluster = _launch_settings(
+        "select_attend_lists_cuda", b, hkv, 2 * kpad, splits, programs, balanced, None)
+    size = dict(page_size=page_size, max_pages=max_pages)
+    if cluster:
+        phys, slots, count, zeros = select_lists_cuda(keys, table, lengths, budget_pages,
+                                                      kpad=kpad, **size)
+        return attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths,
+                                      splits=splits, programs=programs, balanced=balanced,
+                                      cluster=True, arrivals=zeros)
+    _check_choice("select_attend_lists_cuda", keys.shape[-1], max_pages, kpad)
+    _registered()
+    lists = jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32)
+    one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
+    out, *_ = jax.ffi.ffi_call(
+        LISTS_ATTEND_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), lists, lists, one, one,
+         *_part_buffers(b * hkv, hq // hkv, d, splits, programs)))(
+        q, k_pages, v_pages, keys.astype(jnp.int32), table.astype(jnp.int32),
+        lengths.astype(jnp.int32), budget_pages.astype(jnp.int32), splits=np.int64(splits),
+        programs=np.int64(programs), balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
+        **{k: np.int64(v) for k, v in size.items()})
+    return out

@@ -46,8 +46,8 @@ from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, 
 from pallas_kernels.sparse_attend_cuda import MAX_CHOICE_WIDTH as CUDA_MAX_CHOICE_WIDTH
 from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
-                                               default_cuda_splits, select_lists_cuda,
-                                               selects_in_attention)
+                                               default_cuda_splits, select_attend_lists_cuda,
+                                               select_lists_cuda, selects_in_attention)
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, num_pages, order_key
@@ -135,45 +135,39 @@ class GpuDecodeTuning:
     score_chunk: page slots per scoring program, a power of two (None:
       :func:`default_score_chunk`).
     score_warps, select_warps: Triton warps of the scoring and selection kernels.
-    attend_warps, attend_stages: Triton warps and pipelining depth of the attention kernel;
-      the defaults are the H100 sweep's (notes/kernel_notes.md, item 10): 2 warps and no
-      software pipelining leave 228 registers a thread and 4 programs per SM, whose loads in
-      flight read faster than Triton's 2-stage pipeline at 4 warps.
+    attend_warps, attend_stages: Triton warps and pipelining depth of the Pallas attention
+      (defaults: the H100 sweep's, notes/kernel_notes.md, item 10).
     balanced: the attention on one wave of programs sharing the lists' blocks evenly
       (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists_balanced`) instead of
       ``splits`` for every list (True: ``splits`` unused); None: balanced in the sparse step
-      unless ``splits`` is set or the batch is one row, even splits in dense decode. A long
-      row among short or finished ones (a static batch's tail, a refill chunk) gets the
-      programs they leave idle (run O); one row's lists, all of one length, have nothing to
-      balance and would pay its merges of every block's partial (run AG; BENCHMARKS.md).
+      unless ``splits`` is set or the batch is one row, even splits in dense decode: a long
+      row among short or finished ones gets the programs they leave idle (run O); one row's
+      lists, all of one length, have nothing to balance (run AG; BENCHMARKS.md).
     attend: the attention over the lists: ``"cuda"``
       (:func:`pallas_kernels.sparse_attend_cuda.attend_page_lists_cuda`: each warp streams
       its pages through shared memory while it computes; BENCHMARKS.md, kernel run AK),
       ``"pallas"`` (:func:`pallas_kernels.paged_attend_gpu.attend_page_lists`, the only one
       in interpret mode), or ``"auto"``: cuda where it runs (bf16, head_dim 128, page 16,
       a Hopper GPU, nvcc to build it once: :func:`resolve_attend`), else pallas. With
-      cuda, ``balanced`` True is stream-K, False even splits (``splits`` of each list, None:
+      cuda (``block_pages``, ``attend_warps`` and ``attend_stages`` unused), ``balanced``
+      True is stream-K, False even splits (``splits`` of each list, None:
       :func:`pallas_kernels.sparse_attend_cuda.default_cuda_splits`), None (unless
-      ``splits`` is set) even splits for one row, else decided on the device for each
-      call's lists by a model of each way's time: stream-K where even parts leave the GPU
-      idle or the lists are ragged;
-      ``block_pages``, ``attend_warps`` and ``attend_stages`` are unused.
+      ``splits`` is set) even splits for one row, else chosen on the device for each
+      call's lists: stream-K where even parts leave the GPU idle or the lists are ragged.
     attend_programs: the CUDA attention's blocks (None: one an SM).
     select_in_attention: with the CUDA attention, each of its blocks chooses its list's
       pages itself (:func:`pallas_kernels.sparse_attend_cuda.attend_selected_cuda`: no
       selection kernel, no lists in global memory) where even splits give every block one
       part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where not),
-      False, or None (where it applies). H200, 32K, budget 2048: the step 2.8-7.9 us shorter
-      by device time at 1-16 rows (kernel runs AW-AZ).
-    score: the scoring: ``"pallas"`` (:func:`_score_kernel`, the default) or ``"xla"``
-      (:func:`score_keys_xla`: 12% faster in a benchmark's chain of calls, half as fast in a
-      model, where its arrays are not warm; BENCHMARKS.md, kernel run AT, rollout runs U-W).
-      The two sum in different orders, so near-tied pages may be chosen differently.
+      False, or None (where it applies; the step 2.8-7.9 us shorter, kernel runs AW-AZ).
+    score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
+      (:func:`score_keys_xla`: half as fast in a model, kernel run AT, rollout runs U-W;
+      it sums in another order, so near-tied pages may be chosen differently).
     select: the selection where the attention does not choose the lists: ``"pallas"``
       (:func:`_select_kernel`), ``"cuda"`` (the CUDA attention's choice alone, one block a
-      list: :func:`pallas_kernels.sparse_attend_cuda.select_lists_cuda`; tables up to 8192
-      slots), or ``"auto"``: cuda with the CUDA attention. H100, 32K, budget 2048: the step's
-      device time 3.0-3.5 us shorter at 32 rows, 1.3-1.6 at 19 (kernel run BE).
+      list, then the attention in the same call:
+      :func:`pallas_kernels.sparse_attend_cuda.select_attend_lists_cuda`), or ``"auto"``:
+      cuda with the CUDA attention (:func:`cuda_selection`; kernel run BE).
     """
     block_pages: int | None = None
     splits: int | None = None
@@ -393,10 +387,8 @@ def kernel_limits(head_dim: int, page_size: int, scorer: str = "centroid",
 
 
 def default_score_chunk(summaries: int) -> int:
-    """Page slots a scoring program holds: 32 whatever the summaries. H100, 32K, budget 2048:
-    the centroid scoring 14.3 / 50.6 us at batch 8 / 32 against 15.1 / 52.2 at 64 and 17.5 /
-    56.2 at 128 (kernel run BC; 40 registers a thread against 56), Quest's step 0.91x its time
-    at 64, at 16 or with 8 warps no faster (BENCHMARKS.md "Quest in the kernels")."""
+    """Page slots a scoring program holds: 32 whatever the summaries (H100: faster than 64,
+    128 or 16 for centroids, kernel runs BC-BD; Quest's too, "Quest in the kernels")."""
     del summaries
     return 32
 
@@ -579,13 +571,18 @@ def score_keys_xla(q, summaries, table, lengths, *, page_size):
     return jnp.where(eligible[None], order_key(score), jnp.int32(_INT_MIN))
 
 
+def cuda_selection(tuning: GpuDecodeTuning, width: int) -> bool:
+    """Whether ``tuning.select`` is the CUDA selection for keys ``width`` slots wide: "cuda",
+    or "auto" where the attention resolved to the CUDA one (the same machine runs both)."""
+    return tuning.select == "cuda" or (tuning.select == "auto" and tuning.attend == "cuda"
+                                       and width <= CUDA_MAX_CHOICE_WIDTH)
+
+
 def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages, kpad,
                      tuning=GpuDecodeTuning(), interpret=False, arrivals=False):
     """The selection kernel alone (``tuning.select``): keys ``[Hkv, B, Mpad]``, table ``[B,
     Mpad]`` -> the lists of :func:`select_page_lists` (and arrivals)."""
-    # "auto": the CUDA selection where the CUDA attention runs (it needs the same machine).
-    if tuning.select == "cuda" or (tuning.select == "auto" and tuning.attend == "cuda"
-                                   and keys.shape[2] <= CUDA_MAX_CHOICE_WIDTH):
+    if cuda_selection(tuning, keys.shape[2]):
         why = "it runs on a GPU only, not in interpret mode" if interpret else cuda_unavailable()
         if why is not None:
             raise ValueError(f"GpuDecodeTuning(select='cuda'): {why}")
@@ -613,16 +610,19 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
-    cuda = tuning.attend == "cuda"
-    if cuda and selects_in_attention(
-            q.shape[0] * k_pages.shape[0], list_sizes(page_table.shape[1], max_pages, tuning)[0],
-            tuning.splits, tuning.attend_programs, balanced=tuning.balanced,
-            asked=tuning.select_in_attention):
-        keys, table, _ = scored_table(q, summaries, page_table, lengths, page_size=page_size,
-                                      max_pages=max_pages, tuning=tuning)
-        return attend_selected_cuda(q, k_pages, v_pages, keys, table, lengths, budget_pages,
-                                    page_size=page_size, max_pages=max_pages,
-                                    splits=tuning.splits)
+    cuda, mpad = tuning.attend == "cuda", list_sizes(page_table.shape[1], max_pages, tuning)[0]
+    inside = cuda and selects_in_attention(
+        q.shape[0] * k_pages.shape[0], mpad, tuning.splits, tuning.attend_programs,
+        balanced=tuning.balanced, asked=tuning.select_in_attention)
+    if inside or (cuda and cuda_selection(tuning, mpad)):
+        keys, table, kpad = scored_table(q, summaries, page_table, lengths, page_size=page_size,
+                                         max_pages=max_pages, tuning=tuning)
+        args = (q, k_pages, v_pages, keys, table, lengths, budget_pages)
+        size = dict(page_size=page_size, max_pages=max_pages, splits=tuning.splits)
+        if inside:
+            return attend_selected_cuda(*args, **size)
+        return select_attend_lists_cuda(*args, kpad=kpad, programs=tuning.attend_programs,
+                                        balanced=tuning.balanced, **size)
     # The CUDA call takes its counters even with one split (an aliased buffer it leaves
     # alone): zeros from the selection, which would otherwise be a fill of their own.
     phys, slots, count, *arrivals = select_page_lists(

@@ -34,7 +34,7 @@ def test_library_builds_without_spills_and_exports_its_handler(tmp_path, monkeyp
     assert spills and all(n == "0" for n in spills)
     assert all(hasattr(ctypes.CDLL(str(lib)), name)
                for name in ("SparrowSparseAttend", "SparrowSparseSelectAttend",
-                            "SparrowSparseSelectLists"))
+                            "SparrowSparseSelectLists", "SparrowSparseSelectListsAttend"))
     assert build_library(sparse_attend_cuda.SOURCE, find_nvcc()) == lib
     assert len(list(tmp_path.iterdir())) == 2
 

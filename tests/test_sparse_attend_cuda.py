@@ -19,8 +19,8 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
-                                               default_cuda_splits, select_lists_cuda,
-                                               unavailable, unsupported_args)
+                                               default_cuda_splits, select_attend_lists_cuda,
+                                               select_lists_cuda, unavailable, unsupported_args)
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, resolve_attend, select_from_keys,
                                               sparse_decode_pallas)
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case
@@ -300,6 +300,34 @@ def test_step_with_the_cuda_selection_matches_float64(r, how):
 
 
 @needs_cuda
+@pytest.mark.parametrize("how", [dict(balanced=True), dict(balanced=False, splits=1),
+                                 dict(balanced=None), dict(balanced=False, splits=3, programs=5),
+                                 dict(balanced=False, splits=2)])
+def test_selection_then_attention_in_one_call(how):
+    """``select_attend_lists_cuda`` (one call, the attention started by programmatic
+    dependent launch) gives bit for bit what the selection's call then the attention's give,
+    however the blocks share the lists (with clusters, ``splits=2`` here, it is those calls)."""
+    rng = np.random.default_rng(11)
+    b, hkv, group, width, pool = 3, 2, 4, 96, 700
+    lengths = jnp.asarray([90 * P, 41 * P - 3, 5 * P], jnp.int32)
+    budgets = jnp.asarray([24, 40, 9], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, hkv * group, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((hkv, pool, P, D)), jnp.bfloat16) for _ in range(2))
+    keys = jnp.asarray(rng.integers(-2 ** 31, 2 ** 31 - 1, (hkv, b, width)), jnp.int32)
+    table = jnp.asarray(rng.permutation(pool)[: b * width].reshape(b, width), jnp.int32)
+    size = dict(page_size=P, max_pages=48, kpad=64)
+
+    def two_calls(q, k, v, keys, table, lengths, budgets):
+        phys, slots, count, zeros = select_lists_cuda(keys, table, lengths, budgets, **size)
+        return attend_page_lists_cuda(q, k, v, phys, slots, count, lengths, arrivals=zeros, **how)
+
+    one_call = functools.partial(select_attend_lists_cuda, **size, **how)
+    args = (q, k, v, keys, table, lengths, budgets)
+    np.testing.assert_array_equal(np.asarray(jax.jit(one_call)(*args), np.float32),
+                                  np.asarray(jax.jit(two_calls)(*args), np.float32))
+
+
+@needs_cuda
 @pytest.mark.parametrize("family", list(KEY_FAMILIES))
 def test_cuda_selection_writes_the_pallas_lists(family):
     """The CUDA selection kernel on the stressing keys: its lists are the rule's (NumPy),
@@ -452,8 +480,8 @@ def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
     of blocks; two rows leave the choice to the device (-1), without clusters."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
-    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", select_in_attention=False),
-                                    lengths)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda", select_in_attention=False,
+                                                    select="pallas"), lengths)
     call = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(.*balance = (-?\d+) : i64, "
                      r"cluster = (\d+) : i64, programs = (\d+) : i64, splits = (\d+)", text)
     assert call and int(call.group(1)) == balance
@@ -481,7 +509,7 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
     assert "@sparrow_sparse_attend(" not in text
     stream_k = GpuDecodeTuning(attend="cuda", select_in_attention=None, balanced=True)
     text = step_lowered_for_an_h100(stream_k, lengths)
-    assert "@sparrow_sparse_attend(" in text and "@sparrow_sparse_select_lists(" in text
+    assert "@sparrow_sparse_select_lists_attend(" in text
     with pytest.raises(ValueError, match=r"^choosing the lists inside the attention needs even "
                                          r"splits of 1 to 8 parts, .*; have \d lists x \d+ "
                                          r"splits on 132 blocks \(balanced=True\), 32 slots"):
@@ -502,18 +530,20 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
 @pytest.mark.parametrize("select", ["cuda", "auto"])
 def test_cuda_selection_where_asked(monkeypatch, select):
     """On any host: ``select="cuda"``, and "auto" with the CUDA attention, lowered for an H100
-    (lists not chosen inside the attention) make the CUDA selection call in place of the
-    Pallas selection kernel, its lists and zeros going to the attention."""
+    (lists not chosen inside the attention) make one call that selects and attends, taking
+    the scoring's keys, in place of the Pallas selection kernel and the attention's call."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
     text = step_lowered_for_an_h100(
         GpuDecodeTuning(attend="cuda", select_in_attention=False, select=select), (300, 200))
     assert re.findall(r'name = "([a-z_]+)", num_stages', text) == ["sparse_decode_score"]
-    call = re.search(r"(%\d+):4 = stablehlo.custom_call @sparrow_sparse_select_lists\(.*"
-                     r"max_pages = 20 : i64, page_size = 16 : i64", text)
-    attend = re.search(r"stablehlo.custom_call @sparrow_sparse_attend\(([^)]*)\)", text)
-    operands = attend.group(1).split(", ")
-    assert operands[3:6] + operands[7:8] == [f"{call.group(1)}#{i}" for i in range(4)]
+    score = re.search(r"(%\d+) = stablehlo.custom_call @__gpu\$xla.gpu.triton", text).group(1)
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_select_lists_attend\(([^)]*)\).*"
+                     r"balance = (-?\d+) : i64, max_pages = 20 : i64, page_size = 16 : i64, "
+                     r"programs = (\d+) : i64", text)
+    # The scoring's keys go in; two rows leave the blocks' sharing to the device, one an SM.
+    assert call.group(1).split(", ")[3] == score and call.group(2, 3) == ("-1", "132")
+    assert "@sparrow_sparse_attend(" not in text and "@sparrow_sparse_select_lists(" not in text
 
 
 @pytest.mark.parametrize("attend, width, want", [("cuda", 8192, "cuda"), ("cuda", 16384, ""),
