@@ -513,7 +513,9 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
 #pragma unroll
     for (int r = 0; r < RUN; ++r) {
       const int s = s0 + r * THREADS;
-      if (s < c.width) u[r] = static_cast<unsigned>(key_row[s]) ^ 0x80000000u, p[r] = table_row[s];
+      // Past L1: the fifth handler's keys were written by other blocks of the same kernel.
+      if (s < c.width) u[r] = static_cast<unsigned>(__ldcg(key_row + s)) ^ 0x80000000u,
+                       p[r] = table_row[s];
     }
   };
   load_run(threadIdx.x);
@@ -616,6 +618,26 @@ __device__ __forceinline__ int2 select_part(const Choice& c, int i, int hkv, int
   return make_int2(from, to);
 }
 
+// The fifth handler's lists, each marked ready (1) by the block that chose it, after the
+// list: the block waits until list `wait` is ready (-1: none), then says whether list `peek`
+// is ready already (-1 or past the lists: false), the same answer in every thread. Reads past
+// L1 (acquire), so that what the list's block wrote before the mark is seen after it.
+__device__ __forceinline__ bool wait_list(const int* ready, int wait, int peek, int* s_peek) {
+  if (threadIdx.x == 0) {
+    auto flag = [&](int i) {
+      int v;
+      asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(v) : "l"(ready + i) : "memory");
+      return v;
+    };
+    if (wait >= 0) {
+      while (flag(wait) == 0) __nanosleep(64);
+    }
+    *s_peek = peek >= 0 && flag(peek) != 0;
+  }
+  __syncthreads();
+  return *s_peek;
+}
+
 // How the blocks share the lists. Even: list i's `splits` parts of ceil(pages / splits)
 // entries are blocks of work lists * splits in all, taken by the gridDim.x blocks in turn
 // (fewer parts than blocks: one each by every stride-th block), each part merged with its
@@ -642,9 +664,9 @@ __global__ void __launch_bounds__(WARPS * 32)
                   const int* __restrict__ lengths, __nv_bfloat16* __restrict__ out,
                   float* part_o, float* part_lse, int* arrivals, int hkv, int group,
                   int64_t n_pages, int list_len, int n_lists, int splits, int balance, int cap,
-                  float scale_log2, Choice choice) {
+                  float scale_log2, Choice choice, const int* ready) {
   extern __shared__ __align__(1024) uint8_t smem[];
-  __shared__ int s_last, s_warp[WARPS], s_most;
+  __shared__ int s_last, s_warp[WARPS], s_most, s_peek;
   const int warp = threadIdx.x >> 5, lane = threadIdx.x & 31;
   uint8_t* s_merge = smem + RING_BYTES;
   int* s_phys = reinterpret_cast<int*>(smem + RING_BYTES + MERGE_BYTES);
@@ -653,9 +675,11 @@ __global__ void __launch_bounds__(WARPS * 32)
   const uint32_t ring = static_cast<uint32_t>(__cvta_generic_to_shared(smem)) +
                         warp * STAGES * 2 * PAGE_BYTES;
   const int blocks = gridDim.x, even_blocks = n_lists * splits;
-  // Launched by programmatic dependent launch (the fourth handler), the block started while
-  // the selection drained: nothing it wrote is read before this (a no-op otherwise).
-  asm volatile("griddepcontrol.wait;" ::: "memory");
+  // Launched by programmatic dependent launch (the fourth and fifth handlers), the block
+  // started while the lists were being chosen. With `ready` (the fifth handler, even splits)
+  // it waits for each list's flag before it reads the list (wait_list); without, for the
+  // whole grid before it (a no-op when not launched so).
+  if (ready == nullptr) asm volatile("griddepcontrol.wait;" ::: "memory");
   // Even parts fewer than the blocks go to every stride-th block, so that the working blocks
   // spread over the GPU instead of filling the first SMs (kernel run AR, batch 8: 64 parts on
   // 132 blocks, the attention 23.4 us against 30.3 on the first 64 blocks of one H200, 22.8
@@ -671,7 +695,8 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int guess_n = min(guess_each, list_len - guess_from);
   const bool guessed = !kSelect && balance <= 0 && first_part < even_blocks &&
                        guess_n <= min(cap, STAGED_EACH * WARPS * 32);
-  const int guess_count = guessed ? counts[first_part / splits] : 0;
+  if (ready != nullptr && first_part < even_blocks) wait_list(ready, first_part / splits, -1, &s_peek);
+  const int guess_count = guessed ? __ldcg(&counts[first_part / splits]) : 0;
   int guess_phys[STAGED_EACH], guess_slot[STAGED_EACH];
   if (guessed)
     load_entries(lists, slots, static_cast<int64_t>(first_part / splits) * list_len + guess_from,
@@ -766,16 +791,20 @@ __global__ void __launch_bounds__(WARPS * 32)
         continue;
       }
       const bool first = v == first_part;
+      const int next = v + step;
+      // The next list is loaded ahead only if it is ready already.
+      const bool next_ready =
+          ready == nullptr || wait_list(ready, first ? -1 : i,
+                                        splits == 1 && next < even_blocks ? next : -1, &s_peek);
       const int given = first && guessed ? guess_count : count_ahead;   // loaded already
-      const int count = given >= 0 ? min(given, list_len) : min(counts[i], list_len);
+      const int count = given >= 0 ? min(given, list_len) : min(__ldcg(&counts[i]), list_len);
       const int each = (count + splits - 1) / splits;
       const int from = min(split * each, count), to = min(from + each, count);
-      const int next = v + step;
-      const bool ahead = splits == 1 && next < even_blocks;
+      const bool ahead = splits == 1 && next < even_blocks && next_ready;
       int next_count = 0, next_phys = 0, ahead_phys[STAGED_EACH], ahead_slot[STAGED_EACH];
       if (ahead) {
         const int64_t row = static_cast<int64_t>(next) * list_len;
-        next_count = counts[next];
+        next_count = __ldcg(&counts[next]);
         if (warp < list_len) next_phys = lists[row + warp];
         load_entries(lists, slots, row, list_len, ahead_phys, ahead_slot);
       }
@@ -821,20 +850,14 @@ __global__ void __launch_bounds__(WARPS * 32)
   }
 }
 
-// The lists alone, one block a list (the third handler): select_part's choice written out as
-// the Pallas selection writes it (pallas_kernels/sparse_decode_gpu.py, _select_kernel): the
-// list [count entries, then the row's last page repeated up to kpad] as physical pages and
-// slots, its count, and a zero for the attention's arrival counter. Two blocks an SM, so that
-// 17-32 rows' lists (136-256) choose in one wave.
-__global__ void __launch_bounds__(THREADS, 2)
-    select_kernel(Choice c, const int* __restrict__ lengths, int hkv, int kpad, int* phys,
-                  int* slots, int* counts, int* arrivals) {
-  extern __shared__ __align__(16) uint8_t scratch[];
-  // An attention launched after it with programmatic dependent launch (the fourth handler)
-  // may start its blocks now; they wait for this grid's writes before reading them.
-  asm volatile("griddepcontrol.launch_dependents;");
-  const int i = blockIdx.x, b = i / hkv;
-  const int length = lengths[b];
+// List i chosen by the block (select_part) and written out as the Pallas selection writes it
+// (pallas_kernels/sparse_decode_gpu.py, _select_kernel): [count entries, then the row's last
+// page repeated up to kpad] as physical pages and slots, its count, and a zero for the
+// attention's arrival counter. Ends synchronised.
+__device__ __forceinline__ void write_list(const Choice& c, int i, int hkv, int length,
+                                           int kpad, uint8_t* scratch, int* phys, int* slots,
+                                           int* counts, int* arrivals) {
+  const int b = i / hkv;
   int* phys_row = phys + static_cast<int64_t>(i) * 2 * kpad;
   int* slot_row = slots + static_cast<int64_t>(i) * 2 * kpad;
   const int count = select_part(c, i, hkv, length, 0, 1, scratch, phys_row, slot_row).y;
@@ -845,11 +868,144 @@ __global__ void __launch_bounds__(THREADS, 2)
     slot_row[j] = last;
   }
   if (threadIdx.x == 0) counts[i] = count, arrivals[i] = 0;
+  __syncthreads();
+}
+
+// The lists alone, one block a list (the third handler). Two blocks an SM, so that 17-32
+// rows' lists (136-256) choose in one wave.
+__global__ void __launch_bounds__(THREADS, 2)
+    select_kernel(Choice c, const int* __restrict__ lengths, int hkv, int kpad, int* phys,
+                  int* slots, int* counts, int* arrivals) {
+  extern __shared__ __align__(16) uint8_t scratch[];
+  // An attention launched after it with programmatic dependent launch (the fourth handler)
+  // may start its blocks now; they wait for this grid's writes before reading them.
+  asm volatile("griddepcontrol.launch_dependents;");
+  const int i = blockIdx.x;
+  write_list(c, i, hkv, lengths[i / hkv], kpad, scratch, phys, slots, counts, arrivals);
 }
 
 // select_kernel's shared memory: the row's keys and pages, the histograms and sums.
 __host__ __device__ constexpr int choice_bytes(int width) {
   return hist_offset(width) + 4 * (ROUNDS * BINS + 3 * WARPS);
+}
+
+// ---- The scoring and the selection in one kernel (the fifth handler) ----
+
+// The scoring's inputs: q [B, Hkv * group, D] and the page centroids [Hkv, N, D], bf16.
+struct Scoring {
+  const __nv_bfloat16* q;
+  const __nv_bfloat16* centroids;
+  int64_t n_pages;
+  int group, parts;   // parts: blocks a list, SCORE_SLOTS slots each
+};
+
+// A block scores SCORE_SLOTS slots of a list, a half-warp a slot (8 of the 128 columns a
+// lane), SCORE_RUN slots a half-warp in flight.
+constexpr int SCORE_SLOTS = 512, SCORE_RUN = 8;
+
+// float32 -> int32 whose signed order is the scores' (sparrow_jax/attention/selection.py,
+// order_key): -0.0 as 0.0, negative scores' magnitude bits flipped.
+__device__ __forceinline__ int order_key(float x) {
+  const int bits = __float_as_int(x == 0.f ? 0.f : x);
+  return bits < 0 ? bits ^ 0x7fffffff : bits;
+}
+
+__device__ __forceinline__ void add_bf16x8(uint4 u, float scale, float (&acc)[8]) {
+  const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
+#pragma unroll
+  for (int j = 0; j < 4; ++j) {
+    const float2 f = __bfloat1622float2(h[j]);
+    acc[2 * j] += scale * f.x;
+    acc[2 * j + 1] += scale * f.y;
+  }
+}
+
+// Slots [lo, hi) of list (b, h) scored into key_row (the keys of _score_kernel: the
+// centroid's product with the mean of the group's queries, float32, then order_key; INT_MIN
+// where a slot may not be chosen: slot 0, the row's last two pages and past them).
+__device__ __forceinline__ void score_slots(const Scoring& sc, const Choice& c, int b, int h,
+                                            int hkv, int n, int lo, int hi, int* key_row) {
+  const int elo = max(lo, 1), ehi = min(hi, n - 2);
+  for (int s = lo + threadIdx.x; s < hi; s += THREADS) {
+    if (s < elo || s >= ehi) key_row[s] = INT_MIN;
+  }
+  if (elo >= ehi) return;
+  const int warp = threadIdx.x >> 5, half = (threadIdx.x >> 4) & 1, col = (threadIdx.x & 15) * 8;
+  // The group's queries summed, then divided by the group, as _score_kernel takes their mean.
+  float qbar[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+  const __nv_bfloat16* qrow = sc.q + (static_cast<int64_t>(b) * hkv + h) * sc.group * D + col;
+  for (int r = 0; r < sc.group; ++r) {
+    add_bf16x8(*reinterpret_cast<const uint4*>(qrow + r * D), 1.f, qbar);
+  }
+#pragma unroll
+  for (int j = 0; j < 8; ++j) qbar[j] /= static_cast<float>(sc.group);
+  const int* table_row = c.table + static_cast<int64_t>(b) * c.width;
+  const __nv_bfloat16* cbase = sc.centroids + static_cast<int64_t>(h) * sc.n_pages * D + col;
+  // Warp w takes slots elo + 2 w + half + 16 j: the loop's bounds are the warp's, so its
+  // shuffles see every lane.
+  for (int s0 = elo + 2 * warp; s0 < ehi; s0 += 2 * WARPS * SCORE_RUN) {
+    int page[SCORE_RUN];
+#pragma unroll
+    for (int r = 0; r < SCORE_RUN; ++r) {
+      const int s = s0 + half + 2 * WARPS * r;
+      page[r] = s < ehi ? table_row[s] : -1;
+    }
+    uint4 u[SCORE_RUN];
+#pragma unroll
+    for (int r = 0; r < SCORE_RUN; ++r) {
+      u[r] = page[r] >= 0 ? __ldg(reinterpret_cast<const uint4*>(cbase + int64_t{page[r]} * D))
+                          : make_uint4(0u, 0u, 0u, 0u);
+    }
+#pragma unroll
+    for (int r = 0; r < SCORE_RUN; ++r) {
+      float prod[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
+      add_bf16x8(u[r], 1.f, prod);
+      float sum = 0.f;
+#pragma unroll
+      for (int j = 0; j < 8; ++j) sum += prod[j] * qbar[j];
+#pragma unroll
+      for (int d = 8; d >= 1; d >>= 1) sum += __shfl_xor_sync(0xffffffffu, sum, d);
+      if ((threadIdx.x & 15) == 0 && page[r] >= 0) {
+        key_row[s0 + half + 2 * WARPS * r] = order_key(sum);
+      }
+    }
+  }
+}
+
+// Grid: `parts` blocks a list, list-major. Each block scores its slots of list i; the last of
+// the list's blocks to arrive (tickets[i], zero on entry, reset by it) chooses the list from
+// all its keys and writes it (write_list), then marks it ready (ready[i] = 1, zero on entry),
+// so that an attention launched after it may start on the list while other lists are still
+// scored. The lists complete in about list order, and each choice runs beside later lists'
+// scoring instead of after all of it.
+__global__ void __launch_bounds__(THREADS, 4)
+    score_select_kernel(Scoring sc, Choice c, const int* __restrict__ lengths, int hkv,
+                        int kpad, int* keys, int* phys, int* slots, int* counts,
+                        int* arrivals, int* tickets, int* ready) {
+  extern __shared__ __align__(16) uint8_t scratch[];
+  __shared__ int s_last;
+  asm volatile("griddepcontrol.launch_dependents;");
+  const int i = blockIdx.x / sc.parts, part = blockIdx.x % sc.parts;
+  const int b = i / hkv, h = i % hkv;
+  const int length = lengths[b];
+  const int n = min((length + c.page_size - 1) / c.page_size, c.width);
+  const int lo = part * SCORE_SLOTS, hi = min(lo + SCORE_SLOTS, c.width);
+  score_slots(sc, c, b, h, hkv, n, lo, hi, keys + (static_cast<int64_t>(h) * c.batch + b) * c.width);
+  // The arrival as in cooperative groups' grid barrier: the block's keys, then one fence and
+  // the ticket by one thread; the last block fences again before it reads the others' keys.
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    s_last = atomicAdd(&tickets[i], 1) == sc.parts - 1;
+    if (s_last) __threadfence();
+  }
+  __syncthreads();
+  if (!s_last) return;
+  write_list(c, i, hkv, length, kpad, scratch, phys, slots, counts, arrivals);
+  if (threadIdx.x == 0) {
+    __threadfence();
+    asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ready + i), "r"(1) : "memory");
+  }
 }
 
 ffi::Error Check(cudaError_t e, const char* what) {
@@ -914,7 +1070,8 @@ ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
                   const int* lists, const int* slots, const int* counts, const int* lengths,
                   void* out, float* part_o, float* part_lse, int* arrivals, int64_t lists_n,
                   int list_len, int64_t splits, int64_t programs, int64_t balance,
-                  int64_t cluster, int64_t longest, Choice choice, bool pdl = false) {
+                  int64_t cluster, int64_t longest, Choice choice, bool pdl = false,
+                  const int* ready = nullptr) {
   ffi::ErrorOr<int> limit = RaiseSharedLimit();
   if (limit.has_error()) return limit.error();
   const int64_t room = (*limit - RING_BYTES - MERGE_BYTES - 4 * lists_n) / 8;
@@ -957,7 +1114,7 @@ ffi::Error Launch(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::
       reinterpret_cast<__nv_bfloat16*>(out), part_o, part_lse, arrivals, hkv, group, kd[1],
       list_len, static_cast<int>(lists_n), static_cast<int>(splits),
       static_cast<int>(balance), static_cast<int>(cap),
-      1.4426950408889634f / sqrtf(static_cast<float>(D)), choice);
+      1.4426950408889634f / sqrtf(static_cast<float>(D)), choice, ready);
   return Check(launched, "sparrow_sparse_attend launch");
 }
 
@@ -1017,6 +1174,35 @@ ffi::Error SelectAttend(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
                 (max_pages + splits - 1) / splits, choice);
 }
 
+// Whether keys [Hkv, B, width], table [B, width], lengths and budgets [B] and lists [B, Hkv,
+// 2 kpad] are what select_part takes.
+bool ChoiceFits(ffi::Span<const int64_t> keyd, ffi::Span<const int64_t> td,
+                ffi::Span<const int64_t> pd, ffi::Buffer<ffi::S32> lengths,
+                ffi::Buffer<ffi::S32> budgets, int64_t page_size, int64_t max_pages) {
+  return keyd.size() == 3 && td.size() == 2 && pd.size() == 3 && td[0] == keyd[1] &&
+         td[1] == keyd[2] && keyd[2] >= 1 && keyd[2] <= MAX_CHOICE_WIDTH &&
+         lengths.dimensions()[0] == keyd[1] && budgets.dimensions()[0] == keyd[1] &&
+         pd[0] == keyd[1] && pd[1] == keyd[0] && pd[2] % 2 == 0 && page_size >= 1 &&
+         max_pages >= RESERVED && max_pages <= pd[2] / 2;
+}
+
+// A kernel that chooses lists (select_part) may take the widest table's shared memory: set
+// once on each device.
+template <auto kKernel>
+ffi::Error RaiseChoiceLimit() {
+  constexpr int kMaxDevices = 64;
+  static std::once_flag once[kMaxDevices];
+  static cudaError_t result[kMaxDevices];
+  int device = 0;
+  if (auto e = Check(cudaGetDevice(&device), "cudaGetDevice"); e.failure()) return e;
+  if (device >= kMaxDevices) return ffi::Error::Internal("sparrow_sparse_select: device id");
+  std::call_once(once[device], [device] {
+    result[device] = cudaFuncSetAttribute(kKernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                          choice_bytes(MAX_CHOICE_WIDTH));
+  });
+  return Check(result[device], "raising the selection's shared memory limit");
+}
+
 // The third handler's launch: keys [Hkv, B, width], table [B, width], lengths and budgets
 // [B] -> phys and slots [B, Hkv, 2 kpad], counts and zeros [B, Hkv, 1] (select_kernel).
 ffi::Error LaunchSelect(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
@@ -1025,30 +1211,17 @@ ffi::Error LaunchSelect(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
                         ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> counts,
                         ffi::Buffer<ffi::S32> arrivals, int64_t page_size, int64_t max_pages,
                         const char* name) {
-  auto keyd = keys.dimensions(), td = table.dimensions(), pd = phys.dimensions();
-  if (keyd.size() != 3 || td.size() != 2 || pd.size() != 3 || td[0] != keyd[1] ||
-      td[1] != keyd[2] || keyd[2] < 1 || keyd[2] > MAX_CHOICE_WIDTH ||
-      lengths.dimensions()[0] != keyd[1] || budgets.dimensions()[0] != keyd[1] ||
-      pd[0] != keyd[1] || pd[1] != keyd[0] || pd[2] % 2 != 0 || page_size < 1 ||
-      max_pages < RESERVED || max_pages > pd[2] / 2) {
+  auto keyd = keys.dimensions(), pd = phys.dimensions();
+  if (!ChoiceFits(keyd, table.dimensions(), pd, lengths, budgets, page_size, max_pages)) {
     return ffi::Error::InvalidArgument(std::string(name) + ": unsupported arguments");
   }
   const int64_t lists = keyd[0] * keyd[1];
   if (lists == 0) return ffi::Error::Success();
-  const int bytes = choice_bytes(static_cast<int>(keyd[2]));
-  static std::once_flag once;
-  static cudaError_t raised = cudaSuccess;
-  std::call_once(once, [] {
-    raised = cudaFuncSetAttribute(select_kernel, cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                  choice_bytes(MAX_CHOICE_WIDTH));
-  });
-  if (auto e = Check(raised, "raising the selection's shared memory limit"); e.failure()) {
-    return e;
-  }
+  if (auto e = RaiseChoiceLimit<select_kernel>(); e.failure()) return e;
   const Choice choice{keys.typed_data(), table.typed_data(), budgets.typed_data(),
                       static_cast<int>(keyd[1]), static_cast<int>(keyd[2]),
                       static_cast<int>(page_size), static_cast<int>(max_pages)};
-  select_kernel<<<static_cast<unsigned>(lists), THREADS, bytes, stream>>>(
+  select_kernel<<<static_cast<unsigned>(lists), THREADS, choice_bytes(keyd[2]), stream>>>(
       choice, lengths.typed_data(), static_cast<int>(keyd[0]), static_cast<int>(pd[2] / 2),
       phys.typed_data(), slots.typed_data(), counts.typed_data(), arrivals.typed_data());
   return Check(cudaGetLastError(), "sparrow_sparse_select_lists launch");
@@ -1065,10 +1238,41 @@ ffi::Error SelectLists(cudaStream_t stream, ffi::Buffer<ffi::S32> keys,
                       page_size, max_pages, "sparrow_sparse_select_lists");
 }
 
-// The fourth handler: the third's lists, then the first handler's attention over them in one
-// custom call (one node of XLA's command buffer, not two), launched by programmatic dependent
-// launch so that its blocks start while the selection drains. Its results are the attention's
-// and the lists it attended (phys, slots, counts, arrivals as the third handler's).
+// The attention's settings over lists [B, Hkv, 2 kpad] just chosen in the same call.
+bool ChosenFit(ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v, ffi::Span<const int64_t> ld,
+               int64_t splits, int64_t programs, int64_t balance) {
+  return ld.size() == 3 && PagesFit(q, k, v, ld[0]) && k.dimensions()[0] == ld[1] &&
+         splits >= 1 && splits <= MAX_PARTS && programs >= 1 && programs <= MAX_PARTS &&
+         balance >= -1 && balance <= 1;
+}
+
+// The first handler's attention over the lists chosen just before it in the same call (the
+// fourth and fifth handlers), launched by programmatic dependent launch so that its blocks
+// start while the lists are being chosen: each block waits for them all, or with `ready`
+// for each of its lists alone.
+ffi::Error AttendChosen(cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k,
+                        ffi::AnyBuffer v, ffi::Buffer<ffi::S32> lengths,
+                        ffi::Result<ffi::AnyBuffer> out, ffi::Buffer<ffi::S32> phys,
+                        ffi::Buffer<ffi::S32> slots, ffi::Buffer<ffi::S32> counts,
+                        ffi::Buffer<ffi::S32> arrivals, ffi::Buffer<ffi::F32> part_o,
+                        ffi::Buffer<ffi::F32> part_lse, int64_t splits, int64_t programs,
+                        int64_t balance, const int* ready) {
+  // As the first handler takes the third's lists: rows of 2 kpad entries, counts <= kpad.
+  auto ld = phys.dimensions();
+  const int list_len = static_cast<int>(ld[2]);
+  const int64_t lists = ld[0] * ld[1];
+  if (lists == 0) return ffi::Error::Success();
+  const int64_t longest = std::max<int64_t>(
+      (lists * std::max(list_len, 1) + programs - 1) / programs, (list_len + splits - 1) / splits);
+  return Launch(stream, q, k, v, phys.typed_data(), slots.typed_data(), counts.typed_data(),
+                lengths.typed_data(), out->untyped_data(), part_o.typed_data(),
+                part_lse.typed_data(), arrivals.typed_data(), lists, list_len, splits, programs,
+                balance, 1, longest, Choice{}, /*pdl=*/true, ready);
+}
+
+// The fourth handler: the third's lists, then the attention over them in one custom call (one
+// node of XLA's command buffer, not two; AttendChosen). Its results are the attention's and
+// the lists it attended (phys, slots, counts, arrivals as the third handler's).
 ffi::Error SelectListsAttend(
     cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::Buffer<ffi::S32> keys, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
@@ -1078,10 +1282,7 @@ ffi::Error SelectListsAttend(
     ffi::Result<ffi::Buffer<ffi::F32>> part_o, ffi::Result<ffi::Buffer<ffi::F32>> part_lse,
     int64_t splits, int64_t programs, int64_t balance, int64_t page_size, int64_t max_pages) {
   const char* name = "sparrow_sparse_select_lists_attend";
-  auto kd = k.dimensions(), ld = phys->dimensions();
-  if (ld.size() != 3 || !PagesFit(q, k, v, ld[0]) || kd[0] != ld[1] || splits < 1 ||
-      splits > MAX_PARTS || programs < 1 || programs > MAX_PARTS || balance < -1 ||
-      balance > 1) {
+  if (!ChosenFit(q, k, v, phys->dimensions(), splits, programs, balance)) {
     return ffi::Error::InvalidArgument(std::string(name) + ": unsupported arguments");
   }
   if (auto e = LaunchSelect(stream, keys, table, lengths, budgets, *phys, *slots, *counts,
@@ -1089,16 +1290,64 @@ ffi::Error SelectListsAttend(
       e.failure()) {
     return e;
   }
-  // As the first handler takes the third's lists: rows of 2 kpad entries, counts <= kpad.
-  const int list_len = static_cast<int>(ld[2]);
-  const int64_t lists = ld[0] * ld[1];
+  return AttendChosen(stream, q, k, v, lengths, out, *phys, *slots, *counts, *arrivals,
+                      *part_o, *part_lse, splits, programs, balance, nullptr);
+}
+
+// The fifth handler: the keys scored and the lists chosen by one kernel (score_select_kernel:
+// centroids [Hkv, N, 128] bf16, table [B, width], lengths and budgets [B] -> keys [Hkv, B,
+// width], and the lists as the third handler's), then the attention over them (AttendChosen);
+// `overlap` 1 (even splits only): each of its blocks starts on a list as soon as that list is
+// chosen. `sync` [2, lists]: the lists' tickets and ready marks, zeroed here.
+ffi::Error ScoreSelectAttend(
+    cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
+    ffi::AnyBuffer centroids, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
+    ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::AnyBuffer> out,
+    ffi::Result<ffi::Buffer<ffi::S32>> keys, ffi::Result<ffi::Buffer<ffi::S32>> phys,
+    ffi::Result<ffi::Buffer<ffi::S32>> slots, ffi::Result<ffi::Buffer<ffi::S32>> counts,
+    ffi::Result<ffi::Buffer<ffi::S32>> arrivals, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
+    ffi::Result<ffi::Buffer<ffi::F32>> part_lse, ffi::Result<ffi::Buffer<ffi::S32>> sync,
+    int64_t splits, int64_t programs, int64_t balance, int64_t page_size, int64_t max_pages,
+    int64_t overlap) {
+  const char* name = "sparrow_sparse_score_select_attend";
+  auto keyd = keys->dimensions(), kd = k.dimensions(), cd = centroids.dimensions();
+  const int64_t lists = keyd.size() == 3 ? keyd[0] * keyd[1] : 0;
+  if (!ChosenFit(q, k, v, phys->dimensions(), splits, programs, balance) ||
+      !ChoiceFits(keyd, table.dimensions(), phys->dimensions(), lengths, budgets, page_size,
+                  max_pages) ||
+      centroids.element_type() != ffi::BF16 || cd.size() != 3 || cd[0] != kd[0] ||
+      cd[1] != kd[1] || cd[2] != D || sync->element_count() != 2 * lists ||
+      (overlap != 0 && (overlap != 1 || balance != 0))) {
+    return ffi::Error::InvalidArgument(std::string(name) + ": unsupported arguments");
+  }
   if (lists == 0) return ffi::Error::Success();
-  const int64_t longest = std::max<int64_t>(
-      (lists * std::max(list_len, 1) + programs - 1) / programs, (list_len + splits - 1) / splits);
-  return Launch(stream, q, k, v, phys->typed_data(), slots->typed_data(), counts->typed_data(),
-                lengths.typed_data(), out->untyped_data(), part_o->typed_data(),
-                part_lse->typed_data(), arrivals->typed_data(), lists, list_len, splits,
-                programs, balance, 1, longest, Choice{}, /*pdl=*/true);
+  if (auto e = RaiseChoiceLimit<score_select_kernel>(); e.failure()) return e;
+  int* tickets = sync->typed_data();
+  if (auto e = Check(cudaMemsetAsync(tickets, 0, 2 * lists * sizeof(int), stream),
+                     "zeroing the lists' tickets");
+      e.failure()) {
+    return e;
+  }
+  const int width = static_cast<int>(keyd[2]), parts = (width + SCORE_SLOTS - 1) / SCORE_SLOTS;
+  const Scoring scoring{reinterpret_cast<const __nv_bfloat16*>(q.untyped_data()),
+                        reinterpret_cast<const __nv_bfloat16*>(centroids.untyped_data()), cd[1],
+                        static_cast<int>(q.dimensions()[1] / kd[0]), parts};
+  const Choice choice{keys->typed_data(), table.typed_data(), budgets.typed_data(),
+                      static_cast<int>(keyd[1]), width, static_cast<int>(page_size),
+                      static_cast<int>(max_pages)};
+  score_select_kernel<<<static_cast<unsigned>(lists * parts), THREADS, choice_bytes(width),
+                        stream>>>(scoring, choice, lengths.typed_data(),
+                                  static_cast<int>(keyd[0]),
+                                  static_cast<int>(phys->dimensions()[2] / 2),
+                                  keys->typed_data(), phys->typed_data(), slots->typed_data(),
+                                  counts->typed_data(), arrivals->typed_data(), tickets,
+                                  tickets + lists);
+  if (auto e = Check(cudaGetLastError(), "sparrow_sparse_score_select launch"); e.failure()) {
+    return e;
+  }
+  return AttendChosen(stream, q, k, v, lengths, out, *phys, *slots, *counts, *arrivals,
+                      *part_o, *part_lse, splits, programs, balance,
+                      overlap ? tickets + lists : nullptr);
 }
 
 // What the attention's handlers take first: the stream, q, the K and V pages, and four int32
@@ -1157,6 +1406,29 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectListsAttend, SelectListsAttend,
                                   .Attr<int64_t>("balance")
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("max_pages"),
+                              {ffi::Traits::kCmdBufferCompatible});
+
+XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseScoreSelectAttend, ScoreSelectAttend,
+                              ListResults(ffi::Ffi::Bind()
+                                              .Ctx<ffi::PlatformStream<cudaStream_t>>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::AnyBuffer>()
+                                              .Arg<ffi::Buffer<ffi::S32>>()
+                                              .Arg<ffi::Buffer<ffi::S32>>()
+                                              .Arg<ffi::Buffer<ffi::S32>>()
+                                              .Ret<ffi::AnyBuffer>()
+                                              .Ret<ffi::Buffer<ffi::S32>>())
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::F32>>()
+                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                  .Attr<int64_t>("splits")
+                                  .Attr<int64_t>("programs")
+                                  .Attr<int64_t>("balance")
+                                  .Attr<int64_t>("page_size")
+                                  .Attr<int64_t>("max_pages")
+                                  .Attr<int64_t>("overlap"),
                               {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectLists, SelectLists,

@@ -43,6 +43,7 @@ TARGET = "sparrow_sparse_attend"
 SELECT_TARGET = "sparrow_sparse_select_attend"
 LISTS_TARGET = "sparrow_sparse_select_lists"
 LISTS_ATTEND_TARGET = "sparrow_sparse_select_lists_attend"
+SCORE_TARGET = "sparrow_sparse_score_select_attend"
 PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 # The kernel's warps a block, and the most parts a list may be merged from (the blocks, or
 # the even splits: their weights fill the shared memory of the kernel's page ring).
@@ -62,6 +63,8 @@ def _registered() -> str | None:
                         "the CUDA attention")
             or register(SOURCE, "SparrowSparseSelectLists", LISTS_TARGET, "the CUDA attention")
             or register(SOURCE, "SparrowSparseSelectListsAttend", LISTS_ATTEND_TARGET,
+                        "the CUDA attention")
+            or register(SOURCE, "SparrowSparseScoreSelectAttend", SCORE_TARGET,
                         "the CUDA attention"))
 
 
@@ -285,3 +288,52 @@ def select_attend_lists_cuda(q, k_pages, v_pages, keys, table, lengths, budget_p
         programs=np.int64(programs), balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
         **{k: np.int64(v) for k, v in size.items()})
     return out
+
+
+def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, budget_pages, *,
+                             page_size: int, max_pages: int, kpad: int,
+                             splits: int | None = None, programs: int | None = None,
+                             balanced: bool | None = None, overlap: bool | None = None,
+                             lists: bool = False):
+    """The whole sparse step in one custom call: the pages scored and the lists chosen by one
+    kernel, then :func:`attend_page_lists_cuda` over them. q ``[B, Hq, D]``, pages ``[Hkv, N,
+    P, D]``, the centroids ``[Hkv, N, D]`` bf16 (or ``(centroids,)``: no other page summary),
+    the page table ``[B, M]``, lengths and
+    budget_pages ``[B]`` -> ``[B, Hq, D]`` bf16 (with ``lists``: also the keys ``[Hkv, B, M]``
+    and the lists of :func:`select_lists_cuda`). A block scores 512 slots of a list (the keys
+    of :func:`pallas_kernels.sparse_decode_gpu.score_keys`, summed in another order) and the
+    last of a list's blocks to finish chooses it, beside later lists' scoring instead of after
+    all of it. ``overlap`` (even splits only; None: wherever the splits are even): the
+    attention's blocks start on each list as soon as it is chosen instead of after every list
+    is. Anything it does not take raises one line."""
+    why = unsupported_args(q, k_pages, page_size)
+    centroids = summaries[0] if isinstance(summaries, (tuple, list)) else summaries
+    if isinstance(summaries, (tuple, list)) and len(summaries) != 1:
+        why = "scores centroids, not Quest's (kmin, kmax)"
+    elif why is None and centroids.dtype != jnp.bfloat16:
+        why = f"needs bf16 centroids, have {centroids.dtype}"
+    if why is not None:
+        raise ValueError(f"score_select_attend_cuda: {why}")
+    b, hq, d = q.shape
+    hkv, width = k_pages.shape[0], table.shape[1]
+    _check_choice("score_select_attend_cuda", width, max_pages, kpad)
+    splits, programs, balanced, _ = _launch_settings(
+        "score_select_attend_cuda", b, hkv, 2 * kpad, splits, programs, balanced, False)
+    if overlap and balanced is not False:
+        raise ValueError(f"score_select_attend_cuda: overlap needs even splits "
+                         f"(balanced=False), got balanced={balanced}")
+    overlap = balanced is False if overlap is None else overlap
+    _registered()
+    rows = jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32)
+    one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
+    out, keys, phys, slots, count, _, _, _, _ = jax.ffi.ffi_call(
+        SCORE_TARGET,
+        (jax.ShapeDtypeStruct(q.shape, q.dtype),
+         jax.ShapeDtypeStruct((hkv, b, width), jnp.int32), rows, rows, one, one,
+         *_part_buffers(b * hkv, hq // hkv, d, splits, programs),
+         jax.ShapeDtypeStruct((2, b * hkv), jnp.int32)))(
+        q, k_pages, v_pages, centroids, table.astype(jnp.int32), lengths.astype(jnp.int32),
+        budget_pages.astype(jnp.int32), splits=np.int64(splits), programs=np.int64(programs),
+        balance=np.int64({None: -1, False: 0, True: 1}[balanced]), page_size=np.int64(page_size),
+        max_pages=np.int64(max_pages), overlap=np.int64(overlap))
+    return (out, keys, phys, slots, count) if lists else out

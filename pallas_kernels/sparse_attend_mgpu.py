@@ -34,7 +34,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import mosaic_gpu as plgpu
 
-from pallas_kernels.paged_attend_gpu import merge_splits
+from pallas_kernels.paged_attend_gpu import merge_splits, pow2
 
 ROWS = 64    # rows of a Hopper matrix instruction (wgmma)
 # Finite, so that a row with no tokens keeps max = MASK_VALUE and sum 0 (merged to zeros).
@@ -193,3 +193,13 @@ def _attend(q_pad, k_pages, v_pages, phys, slots, count, lengths, *, page_size, 
 
 
 __all__ = ["attend_page_lists_mgpu", "check_mgpu_attend"]
+
+
+def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
+    """q ``[B, Hq, D]`` -> ``[B, Hkv, Rpad, D]``: each KV head's query heads, zero rows added up
+    to a power of two >= 16 (the smallest matrix-unit tile): this attention's input (the other
+    GPU kernels read ``q`` unpadded)."""
+    b, hq, d = q.shape
+    r = hq // kv_heads
+    return jnp.pad(q.reshape(b, kv_heads, r, d),
+                   ((0, 0), (0, 0), (0, max(16, pow2(r)) - r), (0, 0)))

@@ -46,8 +46,9 @@ from pallas_kernels.paged_attend_gpu import (attend_page_lists, default_splits, 
 from pallas_kernels.sparse_attend_cuda import MAX_CHOICE_WIDTH as CUDA_MAX_CHOICE_WIDTH
 from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
-                                               default_cuda_splits, select_attend_lists_cuda,
-                                               select_lists_cuda, selects_in_attention)
+                                               default_cuda_splits, score_select_attend_cuda,
+                                               select_attend_lists_cuda, select_lists_cuda,
+                                               selects_in_attention)
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, num_pages, order_key
@@ -66,7 +67,7 @@ def _is_pow2(x: int) -> bool:
 
 
 ATTEND_IMPLS = ("auto", "cuda", "pallas")
-SCORE_IMPLS = ("pallas", "xla")
+SCORE_IMPLS = ("pallas", "xla", "cuda")
 SELECT_IMPLS = ("auto", "pallas", "cuda")
 
 
@@ -160,9 +161,11 @@ class GpuDecodeTuning:
       selection kernel, no lists in global memory) where even splits give every block one
       part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where not),
       False, or None (where it applies; the step 2.8-7.9 us shorter, kernel runs AW-AZ).
-    score: the scoring: ``"pallas"`` (:func:`_score_kernel`) or ``"xla"``
-      (:func:`score_keys_xla`: half as fast in a model, kernel run AT, rollout runs U-W;
-      it sums in another order, so near-tied pages may be chosen differently).
+    score: the scoring: ``"pallas"`` (:func:`_score_kernel`), ``"xla"`` (:func:`score_keys_xla`,
+      half as fast in a model: kernel run AT, rollout runs U-W) or ``"cuda"`` (scored and
+      chosen by one kernel, with the CUDA attention and centroids:
+      :func:`pallas_kernels.sparse_attend_cuda.score_select_attend_cuda`); the last two sum in
+      another order, so near-tied pages may be chosen differently.
     select: the selection where the attention does not choose the lists: ``"pallas"``
       (:func:`_select_kernel`), ``"cuda"`` (the CUDA attention's choice alone, one block a
       list, then the attention in the same call:
@@ -194,8 +197,8 @@ class GpuDecodeTuning:
         if self.attend_programs is not None and not 1 <= self.attend_programs <= CUDA_MAX_PARTS:
             raise ValueError(f"attend_programs must be in [1, {CUDA_MAX_PARTS}], got "
                              f"{self.attend_programs}")
-        if self.select_in_attention and self.attend == "pallas":
-            raise ValueError("select_in_attention needs attend='cuda' or 'auto'")
+        if (self.select_in_attention or self.score == "cuda") and self.attend == "pallas":
+            raise ValueError("select_in_attention and score='cuda' need attend='cuda' or 'auto'")
         if self.attend != "pallas" and (self.splits or 0) > CUDA_MAX_PARTS:
             raise ValueError(f"splits must be <= {CUDA_MAX_PARTS} for the CUDA attention, got "
                              f"{self.splits}")
@@ -457,8 +460,7 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, len
         tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret))
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
                             max_pages=max_pages, summaries=len(summaries))
-    return _sparse_decode(q, k_pages, v_pages, summaries,
-                          page_table.astype(jnp.int32),
+    return _sparse_decode(q, k_pages, v_pages, summaries, page_table.astype(jnp.int32),
                           lengths.astype(jnp.int32), budget_pages.astype(jnp.int32),
                           page_size=page_size, max_pages=max_pages, tuning=tuning,
                           interpret=interpret)
@@ -470,16 +472,6 @@ def list_sizes(table_width: int, max_pages: int, tuning: GpuDecodeTuning) -> tup
     # mpad >= kpad: every list entry below kpad gets a value.
     mpad = max(pow2(table_width), tuning.score_chunk, kpad)
     return mpad, kpad
-
-
-def pad_heads(q: jax.Array, kv_heads: int) -> jax.Array:
-    """q ``[B, Hq, D]`` -> ``[B, Hkv, Rpad, D]``: each KV head's query heads, zero rows added up
-    to a power of two >= 16 (the smallest matrix-unit tile); the Mosaic GPU attention's input
-    (the kernels here read ``q`` unpadded)."""
-    b, hq, d = q.shape
-    r = hq // kv_heads
-    return jnp.pad(q.reshape(b, kv_heads, r, d),
-                   ((0, 0), (0, 0), (0, max(16, pow2(r)) - r), (0, 0)))
 
 
 def select_page_lists(q, summaries, page_table, lengths, budget_pages, *, page_size, max_pages,
@@ -610,7 +602,13 @@ def select_from_keys(keys, table, lengths, budget_pages, *, page_size, max_pages
 @functools.partial(jax.jit, static_argnames=("page_size", "max_pages", "tuning", "interpret"))
 def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, *,
                    page_size, max_pages, tuning, interpret):
-    cuda, mpad = tuning.attend == "cuda", list_sizes(page_table.shape[1], max_pages, tuning)[0]
+    cuda = tuning.attend == "cuda"
+    mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
+    if cuda and tuning.score == "cuda":
+        return score_select_attend_cuda(
+            q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, kpad=kpad,
+            page_size=page_size, max_pages=max_pages, splits=tuning.splits,
+            programs=tuning.attend_programs, balanced=tuning.balanced)
     inside = cuda and selects_in_attention(
         q.shape[0] * k_pages.shape[0], mpad, tuning.splits, tuning.attend_programs,
         balanced=tuning.balanced, asked=tuning.select_in_attention)

@@ -53,12 +53,12 @@ from jax import lax
 
 from pallas_kernels.paged_attend_gpu import (attend_page_lists, attend_page_lists_balanced,
                                              merge_splits)
-from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, pad_heads, score_keys,
+from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, list_sizes, score_keys,
                                               select_from_keys, select_page_lists,
                                               sparse_decode_pallas)
 from pallas_kernels.sparse_attend_cuda import attend_page_lists_cuda
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
-from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
+from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu, pad_heads
 from pallas_kernels.sparse_decode_triton import (TritonDecodeTuning, plan, run_launches,
                                                  sparse_decode_triton)
 from sparrow_jax.attention.paged_dense import paged_attention_pallas, paged_attention_pallas_jax
@@ -130,7 +130,7 @@ def parse_variant(spec):
     attend_warps=4)); 'a1': the balanced attention (CUDA: stream-K; 'a0' even splits, neither
     the device's choice); 'p1': the Pallas attention, 'p0' the CUDA one (neither: "auto", the
     CUDA one where it runs); 'n66': the CUDA attention on 66 blocks; 'x1': the scoring in
-    XLA, 'x0' the Pallas scoring; 'f1': the lists chosen inside the CUDA attention
+    XLA, 'x0' the Pallas scoring, 'x2' the scoring and selection in one CUDA kernel; 'f1': the lists chosen inside the CUDA attention
     (select_in_attention); 'e1': the CUDA selection kernel, 'e0' the Pallas one."""
     names = dict(b="block_pages", s="splits", w="attend_warps", c="score_chunk",
                  t="select_warps", g="attend_stages", v="score_warps", a="balanced",
@@ -143,7 +143,7 @@ def parse_variant(spec):
     if "attend" in kw:
         kw["attend"] = "pallas" if kw["attend"] else "cuda"
     if "score" in kw:
-        kw["score"] = "xla" if kw["score"] else "pallas"
+        kw["score"] = ("pallas", "xla", "cuda")[kw["score"]]
     if "select" in kw:
         kw["select"] = "cuda" if kw["select"] else "pallas"
     return f"kernel_{spec}", GpuDecodeTuning(**kw)

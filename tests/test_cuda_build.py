@@ -26,15 +26,18 @@ def test_library_builds_without_spills_and_exports_its_handler(tmp_path, monkeyp
     entries = re.findall(r"Compiling entry function '(\w*attend_kernel\w*)' for '(\w+)'", log)
     assert len(entries) == len({name for name, _ in entries}) == 4
     assert {arch for _, arch in entries} == {"sm_90"}
-    # The selection kernel alone: two blocks of 256 threads an SM fit its registers.
-    used = re.search(r"entry function '\w*select_kernel\w*' for 'sm_90'\n(?:.*\n){0,3}?.*Used "
-                     r"(\d+) registers", log)
-    assert used and int(used.group(1)) <= 128
+    # The selection kernel alone: two blocks of 256 threads an SM fit its registers; the
+    # scoring and selection kernel: four.
+    for kernel, most in (("select_kernel", 128), ("score_select_kernel", 64)):
+        used = re.search(rf"entry function '\w*?\d{kernel}\w*' for 'sm_90'\n(?:.*\n){{0,3}}?"
+                         r".*Used (\d+) registers", log)
+        assert used and int(used.group(1)) <= most, kernel
     spills = re.findall(r"(\d+) bytes spill (?:stores|loads)", log)
     assert spills and all(n == "0" for n in spills)
     assert all(hasattr(ctypes.CDLL(str(lib)), name)
                for name in ("SparrowSparseAttend", "SparrowSparseSelectAttend",
-                            "SparrowSparseSelectLists", "SparrowSparseSelectListsAttend"))
+                            "SparrowSparseSelectLists", "SparrowSparseSelectListsAttend",
+                            "SparrowSparseScoreSelectAttend"))
     assert build_library(sparse_attend_cuda.SOURCE, find_nvcc()) == lib
     assert len(list(tmp_path.iterdir())) == 2
 

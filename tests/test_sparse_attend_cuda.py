@@ -19,8 +19,9 @@ import numpy as np
 import pytest
 
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
-                                               default_cuda_splits, select_attend_lists_cuda,
-                                               select_lists_cuda, unavailable, unsupported_args)
+                                               default_cuda_splits, score_select_attend_cuda,
+                                               select_attend_lists_cuda, select_lists_cuda,
+                                               unavailable, unsupported_args)
 from pallas_kernels.sparse_decode_gpu import (GpuDecodeTuning, resolve_attend, select_from_keys,
                                               sparse_decode_pallas)
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close, random_kernel_case
@@ -368,6 +369,79 @@ def test_cuda_selection_writes_the_pallas_lists(family):
         np.testing.assert_array_equal(got[..., :kpad], np.asarray(other)[..., :kpad])
 
 
+@needs_cuda
+@pytest.mark.parametrize("how", [dict(balanced=False, splits=1), dict(balanced=False, splits=3),
+                                 dict(balanced=False, splits=1, overlap=False),
+                                 dict(balanced=True), dict(balanced=None, programs=5)])
+@pytest.mark.parametrize("group", [1, 4, 8])
+def test_scored_and_chosen_in_one_kernel(how, group):
+    """``score_select_attend_cuda``: its keys are the centroids' products with the group's
+    mean query (float64, to float32 rounding; the lowest key where a slot is not eligible),
+    its lists the rule's on those keys, and its output the attention over them; rows of 0-700
+    pages (two blocks' slots and more), budgets from the minimum to past the row."""
+    rng = np.random.default_rng(group + len(how))
+    b, hkv, width, pool, max_pages, kpad = 5, 2, 1100, 4000, 64, 64
+    lengths = np.array([700 * P, 300 * P - 5, 40 * P, 17, 0], np.int32)
+    budgets = np.array([40, 3, 64, 5, 9], np.int32)
+    q = rng.standard_normal((b, hkv * group, D))
+    cent = rng.standard_normal((hkv, pool, D))
+    table = rng.permutation(pool)[: b * width].reshape(b, width).astype(np.int32)
+    k, v = (jnp.asarray(rng.standard_normal((hkv, pool, P, D)), jnp.bfloat16) for _ in range(2))
+    q, cent = jnp.asarray(q, jnp.bfloat16), jnp.asarray(cent, jnp.bfloat16)
+    out, keys, phys, slots, count = (np.asarray(x) for x in jax.jit(functools.partial(
+        score_select_attend_cuda, page_size=P, max_pages=max_pages, kpad=kpad, lists=True,
+        **how))(q, k, v, cent, jnp.asarray(table), jnp.asarray(lengths), jnp.asarray(budgets)))
+    qbar = as64(q).reshape(b, hkv, group, D).mean(axis=2)                        # [B, Hkv, D]
+    score = np.einsum("bhd,hbsd->hbs", qbar, as64(cent)[:, table])               # [Hkv, B, M]
+    pages = -(-lengths.astype(np.int64) // P)
+    eligible = (np.arange(width) >= 1) & (np.arange(width) < pages[:, None] - 2)
+    bits = np.where(keys < 0, keys ^ 0x7FFFFFFF, keys).astype(np.int32).view(np.float32)
+    np.testing.assert_allclose(np.where(eligible, bits, 0), np.where(eligible, score, 0),
+                               rtol=1e-5, atol=1e-5 * np.abs(score).max())
+    np.testing.assert_array_equal(keys[:, ~eligible], np.iinfo(np.int32).min)
+    want_slots, want_counts = chosen_lists_np(keys, lengths, budgets, width=width,
+                                              max_pages=max_pages)
+    np.testing.assert_array_equal(count, want_counts)
+    for i in range(b):
+        for h in range(hkv):
+            n = int(want_counts[i, h, 0])
+            np.testing.assert_array_equal(slots[i, h, :n], want_slots[i, h, :n])
+            np.testing.assert_array_equal(phys[i, h, :n], table[i, want_slots[i, h, :n]])
+    want = attention_np(q, k, v, phys, slots, count, lengths)
+    assert_kernel_close(as64(out), want, low_precision=True)
+
+
+@needs_cuda
+@pytest.mark.parametrize("r", [1, 4, 8])
+@pytest.mark.parametrize("how", [dict(splits=1, balanced=False), dict(balanced=None)])
+def test_step_scored_by_cuda_matches_float64(r, how):
+    """``score="cuda"``: the step's keys scored and its lists chosen by one CUDA kernel."""
+    check_step(np.random.default_rng(r + 70), KERNEL_LENGTHS, KERNEL_BUDGETS, r, score="cuda",
+               select_in_attention=False, **how)
+
+
+@needs_cuda
+def test_repeated_scored_calls_reset_their_tickets():
+    """The tickets and ready marks are zeroed in each call: a second call of the same jitted
+    step, and a call after another problem's, give the first call's output bit for bit."""
+    rng = np.random.default_rng(5)
+    b, hkv, group, width, pool = 3, 2, 4, 600, 2000
+    lengths = jnp.asarray([600 * P, 200 * P, 9 * P], jnp.int32)
+    budgets = jnp.asarray([24, 40, 9], jnp.int32)
+    q = jnp.asarray(rng.standard_normal((b, hkv * group, D)), jnp.bfloat16)
+    cent = jnp.asarray(rng.standard_normal((hkv, pool, D)), jnp.bfloat16)
+    k, v = (jnp.asarray(rng.standard_normal((hkv, pool, P, D)), jnp.bfloat16) for _ in range(2))
+    table = jnp.asarray(rng.permutation(pool)[: b * width].reshape(b, width), jnp.int32)
+    step = jax.jit(functools.partial(score_select_attend_cuda, page_size=P, max_pages=48,
+                                     kpad=64, balanced=False, splits=1))
+    first = np.asarray(step(q, k, v, cent, table, lengths, budgets), np.float32)
+    again = np.asarray(step(q, k, v, cent, table, lengths, budgets), np.float32)
+    step(q[:2], k, v, cent, table[:2], lengths[:2] // 2, budgets[:2]).block_until_ready()
+    after = np.asarray(step(q, k, v, cent, table, lengths, budgets), np.float32)
+    np.testing.assert_array_equal(first, again)
+    np.testing.assert_array_equal(first, after)
+
+
 # ---------------------------------------------------------------- the choice, on any host
 
 def test_choice_between_cuda_and_pallas():
@@ -492,6 +566,28 @@ def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
         assert (cluster, programs) == (1, 132)
 
 
+@pytest.mark.parametrize("balanced, overlap", [(None, 0), (False, 1)])
+def test_scored_by_cuda_lowers_to_one_call(monkeypatch, balanced, overlap):
+    """On any host: with ``score="cuda"`` the step, lowered for an H100, is one custom call
+    and no Pallas kernel; its attention waits for each list alone (overlap) with even splits,
+    and Quest's bounds are refused in one line."""
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    tuning = GpuDecodeTuning(attend="cuda", score="cuda", balanced=balanced)
+    text = step_lowered_for_an_h100(tuning)
+    assert re.findall(r'name = "([a-z_]+)", num_stages', text) == []
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_score_select_attend\(.*"
+                     r"overlap = (\d+) : i64", text)
+    assert call and int(call.group(1)) == overlap
+    assert text.count("stablehlo.custom_call") == 1
+    q, k, v, cent, table, lengths = make_case(np.random.default_rng(1), lengths=[300], hkv=2,
+                                              r=4, d=D, dtype=jnp.bfloat16)
+    with pytest.raises(ValueError, match=r"^score_select_attend_cuda: scores centroids, not "
+                                         r"Quest's \(kmin, kmax\)"):
+        sparse_decode_pallas(q, k, v, table, lengths, jnp.asarray([8]), page_size=P,
+                             scorer="quest", tuning=tuning)
+
+
 @pytest.mark.parametrize("lengths", [(300,), (300, 200)])
 def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
     """On any host: with ``select_in_attention`` None the step, lowered for an H100, scores
@@ -515,7 +611,7 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
                                          r"splits on 132 blocks \(balanced=True\), 32 slots"):
         step_lowered_for_an_h100(dataclasses.replace(stream_k, select_in_attention=True),
                                  lengths)
-    with pytest.raises(ValueError, match="^select_in_attention needs attend='cuda' or 'auto'"):
+    with pytest.raises(ValueError, match="^select_in_attention and score='cuda' need attend='cuda'"):
         GpuDecodeTuning(attend="pallas", select_in_attention=True)
     # Called directly: the same rule, in one line.
     q, k, v, cent, table, lengths = make_case(np.random.default_rng(1), lengths=[300], hkv=2,

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu
-from pallas_kernels.sparse_decode_gpu import pad_heads, select_page_lists
+from pallas_kernels.sparse_attend_mgpu import attend_page_lists_mgpu, pad_heads
+from pallas_kernels.sparse_decode_gpu import select_page_lists
 from reference_np import KERNEL_BUDGETS, KERNEL_LENGTHS, assert_kernel_close
 from test_sparse_kernel import P, as64, make_case, reference
 
