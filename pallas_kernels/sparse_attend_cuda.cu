@@ -973,7 +973,7 @@ __device__ __forceinline__ void score_slots(const Scoring& sc, const Choice& c, 
 }
 
 // Grid: `parts` blocks a list, list-major. Each block scores its slots of list i; the last of
-// the list's blocks to arrive (tickets[i], zero on entry, reset by it) chooses the list from
+// the list's blocks to arrive (tickets[i], zero on entry) chooses the list from
 // all its keys and writes it (write_list), then marks it ready (ready[i] = 1, zero on entry),
 // so that an attention launched after it may start on the list while other lists are still
 // scored. The lists complete in about list order, and each choice runs beside later lists'

@@ -456,8 +456,10 @@ def sparse_decode_pallas_checked(q, k_pages, v_pages, summaries, page_table, len
     Quest): no checks here."""
     max_pages = max_budget_pages or page_table.shape[1]
     summaries = as_summaries(summaries)
-    tuning = dataclasses.replace(
-        tuning, attend=resolve_attend(tuning.attend, q, k_pages, page_size, interpret))
+    attend = resolve_attend(tuning.attend, q, k_pages, page_size, interpret)
+    if tuning.score == "cuda" and attend != "cuda":
+        raise ValueError("GpuDecodeTuning(score='cuda'): the CUDA attention cannot run here")
+    tuning = dataclasses.replace(tuning, attend=attend)
     tuning = tuning.resolve(page_size=page_size, batch=q.shape[0], kv_heads=k_pages.shape[0],
                             max_pages=max_pages, summaries=len(summaries))
     return _sparse_decode(q, k_pages, v_pages, summaries, page_table.astype(jnp.int32),

@@ -586,6 +586,11 @@ def test_scored_by_cuda_lowers_to_one_call(monkeypatch, balanced, overlap):
                                          r"Quest's \(kmin, kmax\)"):
         sparse_decode_pallas(q, k, v, table, lengths, jnp.asarray([8]), page_size=P,
                              scorer="quest", tuning=tuning)
+    with pytest.raises(ValueError, match=r"^GpuDecodeTuning\(score='cuda'\): the CUDA "
+                                         r"attention cannot run here"):
+        sparse_decode_pallas(q, k, v, table, lengths, jnp.asarray([8]), page_size=P,
+                             centroids=cent, tuning=GpuDecodeTuning(score="cuda"),
+                             interpret=True)
 
 
 @pytest.mark.parametrize("lengths", [(300,), (300, 200)])
