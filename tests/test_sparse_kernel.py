@@ -137,7 +137,7 @@ def test_settings_do_not_change_the_result(tuning):
                                           (dict(score_chunk=8), "score_chunk"),
                                           (dict(attend_warps=3), "attend_warps"),
                                           (dict(attend_stages=0), "attend_stages"),
-                                          (dict(score="cuda"), "score")])
+                                          (dict(score="triton"), "score")])
 def test_bad_tuning_is_named(change, match):
     with pytest.raises(ValueError, match=match):
         GpuDecodeTuning(**change)
