@@ -20,7 +20,10 @@
 // A second handler takes the scoring's keys instead of the lists: each block then chooses its
 // list's pages itself (select_part) before it streams them, where every block holds one part of
 // one list (one row, or up to a wave of lists), which saves the selection kernel's launch and
-// its lists' round trip through global memory.
+// its lists' round trip through global memory. The third handler is that choice alone, one
+// block a list (select_kernel); the fourth, it and then the attention over its lists in one
+// call; the fifth, the scoring and the choice in one kernel (score_select_kernel) and then the
+// attention, whose blocks may wait for each list alone instead of for every list.
 #include <cooperative_groups.h>
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

@@ -15,7 +15,9 @@ themselves from the scoring's keys (no selection kernel), where every block hold
 of one list in one wave (kernel run AW). :func:`select_lists_cuda` is that choice alone, one
 block a list, writing the lists the Pallas selection writes; :func:`select_attend_lists_cuda`
 is it and the attention over its lists in one call, the attention started by programmatic
-dependent launch while the selection drains.
+dependent launch while the selection drains. :func:`score_select_attend_cuda` is the whole
+step in one call: one kernel scores the pages and chooses each list as soon as its keys are
+in, and the attention's blocks may start on each list as soon as it is chosen.
 
 Supported: bf16 queries and pages, head_dim 128, page size 16, up to 8 query heads a KV head,
 an NVIDIA Hopper GPU (compute capability 9.x: H100, H200; measured on an H200), and ``nvcc``
