@@ -698,7 +698,9 @@ __global__ void __launch_bounds__(WARPS * 32)
   const int guess_n = min(guess_each, list_len - guess_from);
   const bool guessed = !kSelect && balance <= 0 && first_part < even_blocks &&
                        guess_n <= min(cap, STAGED_EACH * WARPS * 32);
-  if (ready != nullptr && first_part < even_blocks) wait_list(ready, first_part / splits, -1, &s_peek);
+  if (ready != nullptr && first_part < even_blocks) {
+    wait_list(ready, first_part / splits, -1, &s_peek);
+  }
   const int guess_count = guessed ? __ldcg(&counts[first_part / splits]) : 0;
   int guess_phys[STAGED_EACH], guess_slot[STAGED_EACH];
   if (guessed)
@@ -913,13 +915,13 @@ __device__ __forceinline__ int order_key(float x) {
   return bits < 0 ? bits ^ 0x7fffffff : bits;
 }
 
-__device__ __forceinline__ void add_bf16x8(uint4 u, float scale, float (&acc)[8]) {
+__device__ __forceinline__ void add_bf16x8(uint4 u, float (&acc)[8]) {
   const __nv_bfloat162* h = reinterpret_cast<const __nv_bfloat162*>(&u);
 #pragma unroll
   for (int j = 0; j < 4; ++j) {
     const float2 f = __bfloat1622float2(h[j]);
-    acc[2 * j] += scale * f.x;
-    acc[2 * j + 1] += scale * f.y;
+    acc[2 * j] += f.x;
+    acc[2 * j + 1] += f.y;
   }
 }
 
@@ -938,7 +940,7 @@ __device__ __forceinline__ void score_slots(const Scoring& sc, const Choice& c, 
   float qbar[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
   const __nv_bfloat16* qrow = sc.q + (static_cast<int64_t>(b) * hkv + h) * sc.group * D + col;
   for (int r = 0; r < sc.group; ++r) {
-    add_bf16x8(*reinterpret_cast<const uint4*>(qrow + r * D), 1.f, qbar);
+    add_bf16x8(*reinterpret_cast<const uint4*>(qrow + r * D), qbar);
   }
 #pragma unroll
   for (int j = 0; j < 8; ++j) qbar[j] /= static_cast<float>(sc.group);
@@ -962,7 +964,7 @@ __device__ __forceinline__ void score_slots(const Scoring& sc, const Choice& c, 
 #pragma unroll
     for (int r = 0; r < SCORE_RUN; ++r) {
       float prod[8] = {0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f, 0.f};
-      add_bf16x8(u[r], 1.f, prod);
+      add_bf16x8(u[r], prod);
       float sum = 0.f;
 #pragma unroll
       for (int j = 0; j < 8; ++j) sum += prod[j] * qbar[j];
@@ -993,7 +995,8 @@ __global__ void __launch_bounds__(THREADS, 4)
   const int length = lengths[b];
   const int n = min((length + c.page_size - 1) / c.page_size, c.width);
   const int lo = part * SCORE_SLOTS, hi = min(lo + SCORE_SLOTS, c.width);
-  score_slots(sc, c, b, h, hkv, n, lo, hi, keys + (static_cast<int64_t>(h) * c.batch + b) * c.width);
+  score_slots(sc, c, b, h, hkv, n, lo, hi,
+              keys + (static_cast<int64_t>(h) * c.batch + b) * c.width);
   // The arrival as in cooperative groups' grid barrier: the block's keys, then one fence and
   // the ticket by one thread; the last block fences again before it reads the others' keys.
   __syncthreads();

@@ -616,7 +616,7 @@ def test_lists_chosen_in_the_attention_where_asked(monkeypatch, lengths):
                                          r"splits on 132 blocks \(balanced=True\), 32 slots"):
         step_lowered_for_an_h100(dataclasses.replace(stream_k, select_in_attention=True),
                                  lengths)
-    with pytest.raises(ValueError, match="^select_in_attention and score='cuda' need attend='cuda'"):
+    with pytest.raises(ValueError, match="^select_in_attention and score='cuda' need attend="):
         GpuDecodeTuning(attend="pallas", select_in_attention=True)
     # Called directly: the same rule, in one line.
     q, k, v, cent, table, lengths = make_case(np.random.default_rng(1), lengths=[300], hkv=2,
