@@ -1309,10 +1309,10 @@ ffi::Error ScoreSelectAttend(
     cudaStream_t stream, ffi::AnyBuffer q, ffi::AnyBuffer k, ffi::AnyBuffer v,
     ffi::AnyBuffer centroids, ffi::Buffer<ffi::S32> table, ffi::Buffer<ffi::S32> lengths,
     ffi::Buffer<ffi::S32> budgets, ffi::Result<ffi::AnyBuffer> out,
-    ffi::Result<ffi::Buffer<ffi::S32>> keys, ffi::Result<ffi::Buffer<ffi::S32>> phys,
-    ffi::Result<ffi::Buffer<ffi::S32>> slots, ffi::Result<ffi::Buffer<ffi::S32>> counts,
-    ffi::Result<ffi::Buffer<ffi::S32>> arrivals, ffi::Result<ffi::Buffer<ffi::F32>> part_o,
-    ffi::Result<ffi::Buffer<ffi::F32>> part_lse, ffi::Result<ffi::Buffer<ffi::S32>> sync,
+    ffi::Result<ffi::Buffer<ffi::S32>> keys, ffi::Result<ffi::Buffer<ffi::S32>> sync,
+    ffi::Result<ffi::Buffer<ffi::S32>> phys, ffi::Result<ffi::Buffer<ffi::S32>> slots,
+    ffi::Result<ffi::Buffer<ffi::S32>> counts, ffi::Result<ffi::Buffer<ffi::S32>> arrivals,
+    ffi::Result<ffi::Buffer<ffi::F32>> part_o, ffi::Result<ffi::Buffer<ffi::F32>> part_lse,
     int64_t splits, int64_t programs, int64_t balance, int64_t page_size, int64_t max_pages,
     int64_t overlap) {
   const char* name = "sparrow_sparse_score_select_attend";
@@ -1356,18 +1356,19 @@ ffi::Error ScoreSelectAttend(
                       overlap ? tickets + lists : nullptr);
 }
 
-// What the attention's handlers take first: the stream, q, the K and V pages, and four int32
-// arrays.
+// What the attention's handlers take first: the stream, q, the K and V pages, and four
+// arrays, int32 but the first (`First`: the fifth handler's centroids).
+template <typename First = ffi::Buffer<ffi::S32>>
 auto PagesAndFourArrays() {
   return ffi::Ffi::Bind()
       .Ctx<ffi::PlatformStream<cudaStream_t>>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
       .Arg<ffi::AnyBuffer>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>()
-      .Arg<ffi::Buffer<ffi::S32>>();
+      .template Arg<First>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>()
+      .template Arg<ffi::Buffer<ffi::S32>>();
 }
 
 // The selection's results after what `binding` holds: phys, slots, counts and zeros.
@@ -1378,6 +1379,20 @@ auto ListResults(Binding binding) {
       .template Ret<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::S32>>()
       .template Ret<ffi::Buffer<ffi::S32>>();
+}
+
+// The part buffers and the attributes of an attention over lists chosen in the same call
+// (the fourth and fifth handlers), after what `binding` holds.
+template <typename Binding>
+auto AttendChosenResults(Binding binding) {
+  return std::move(binding)
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Ret<ffi::Buffer<ffi::F32>>()
+      .template Attr<int64_t>("splits")
+      .template Attr<int64_t>("programs")
+      .template Attr<int64_t>("balance")
+      .template Attr<int64_t>("page_size")
+      .template Attr<int64_t>("max_pages");
 }
 
 }  // namespace
@@ -1403,37 +1418,16 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectAttend, SelectAttend,
                                   .Attr<int64_t>("max_pages"),
                               {ffi::Traits::kCmdBufferCompatible});
 
-XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectListsAttend, SelectListsAttend,
-                              ListResults(PagesAndFourArrays().Ret<ffi::AnyBuffer>())
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("programs")
-                                  .Attr<int64_t>("balance")
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("max_pages"),
-                              {ffi::Traits::kCmdBufferCompatible});
+XLA_FFI_DEFINE_HANDLER_SYMBOL(
+    SparrowSparseSelectListsAttend, SelectListsAttend,
+    AttendChosenResults(ListResults(PagesAndFourArrays().Ret<ffi::AnyBuffer>())),
+    {ffi::Traits::kCmdBufferCompatible});
 
 XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseScoreSelectAttend, ScoreSelectAttend,
-                              ListResults(ffi::Ffi::Bind()
-                                              .Ctx<ffi::PlatformStream<cudaStream_t>>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::AnyBuffer>()
-                                              .Arg<ffi::Buffer<ffi::S32>>()
-                                              .Arg<ffi::Buffer<ffi::S32>>()
-                                              .Arg<ffi::Buffer<ffi::S32>>()
-                                              .Ret<ffi::AnyBuffer>()
-                                              .Ret<ffi::Buffer<ffi::S32>>())
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::F32>>()
-                                  .Ret<ffi::Buffer<ffi::S32>>()
-                                  .Attr<int64_t>("splits")
-                                  .Attr<int64_t>("programs")
-                                  .Attr<int64_t>("balance")
-                                  .Attr<int64_t>("page_size")
-                                  .Attr<int64_t>("max_pages")
+                              AttendChosenResults(ListResults(PagesAndFourArrays<ffi::AnyBuffer>()
+                                                                  .Ret<ffi::AnyBuffer>()
+                                                                  .Ret<ffi::Buffer<ffi::S32>>()
+                                                                  .Ret<ffi::Buffer<ffi::S32>>()))
                                   .Attr<int64_t>("overlap"),
                               {ffi::Traits::kCmdBufferCompatible});
 

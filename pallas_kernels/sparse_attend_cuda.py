@@ -328,12 +328,11 @@ def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, bud
     _registered()
     rows = jax.ShapeDtypeStruct((b, hkv, 2 * kpad), jnp.int32)
     one = jax.ShapeDtypeStruct((b, hkv, 1), jnp.int32)
-    out, keys, phys, slots, count, _, _, _, _ = jax.ffi.ffi_call(
+    out, keys, _, phys, slots, count, *_ = jax.ffi.ffi_call(
         SCORE_TARGET,
-        (jax.ShapeDtypeStruct(q.shape, q.dtype),
-         jax.ShapeDtypeStruct((hkv, b, width), jnp.int32), rows, rows, one, one,
-         *_part_buffers(b * hkv, hq // hkv, d, splits, programs),
-         jax.ShapeDtypeStruct((2, b * hkv), jnp.int32)))(
+        (jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct((hkv, b, width), jnp.int32),
+         jax.ShapeDtypeStruct((2, b * hkv), jnp.int32), rows, rows, one, one,
+         *_part_buffers(b * hkv, hq // hkv, d, splits, programs)))(
         q, k_pages, v_pages, centroids, table.astype(jnp.int32), lengths.astype(jnp.int32),
         budget_pages.astype(jnp.int32), splits=np.int64(splits), programs=np.int64(programs),
         balance=np.int64({None: -1, False: 0, True: 1}[balanced]), page_size=np.int64(page_size),
