@@ -380,7 +380,7 @@ def test_scored_and_chosen_in_one_kernel(how, group):
     its lists the rule's on those keys, and its output the attention over them; rows of 0-700
     pages (two blocks' slots and more), budgets from the minimum to past the row."""
     rng = np.random.default_rng(group + len(how))
-    b, hkv, width, pool, max_pages, kpad = 5, 2, 1100, 4000, 64, 64
+    b, hkv, width, pool, max_pages, kpad = 5, 2, 1100, 6000, 64, 64
     lengths = np.array([700 * P, 300 * P - 5, 40 * P, 17, 0], np.int32)
     budgets = np.array([40, 3, 64, 5, 9], np.int32)
     q = rng.standard_normal((b, hkv * group, D))
