@@ -292,6 +292,22 @@ def select_attend_lists_cuda(q, k_pages, v_pages, keys, table, lengths, budget_p
     return out
 
 
+def scores_and_chooses(score: str, summaries, width: int, lists: int, *, splits: int,
+                       programs: int, balanced: bool | None) -> bool:
+    """Whether the step with the CUDA attention (``splits`` even parts of ``lists`` lists on
+    ``programs`` blocks) takes :func:`score_select_attend_cuda` for
+    ``GpuDecodeTuning.score``: "cuda", always; "auto", where the lists' parts outnumber a wave
+    of blocks (fewer are chosen inside the attention), stream-K is not asked, the page
+    summaries are centroids in bf16 and the table at most 8192 slots. H100, 32K, budget 2048:
+    the step 5-8 us shorter at 32 and 64 rows and even at 19; at 8 rows 5 us longer than the
+    lists chosen inside the attention (kernel run BF)."""
+    if score != "auto":
+        return score == "cuda"
+    summaries = summaries if isinstance(summaries, (tuple, list)) else (summaries,)
+    return (lists * splits > programs and balanced is not True and len(summaries) == 1
+            and summaries[0].dtype == jnp.bfloat16 and width <= MAX_CHOICE_WIDTH)
+
+
 def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, budget_pages, *,
                              page_size: int, max_pages: int, kpad: int,
                              splits: int | None = None, programs: int | None = None,

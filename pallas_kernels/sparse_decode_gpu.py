@@ -47,8 +47,8 @@ from pallas_kernels.sparse_attend_cuda import MAX_CHOICE_WIDTH as CUDA_MAX_CHOIC
 from pallas_kernels.sparse_attend_cuda import MAX_PARTS as CUDA_MAX_PARTS
 from pallas_kernels.sparse_attend_cuda import (attend_page_lists_cuda, attend_selected_cuda,
                                                default_cuda_splits, score_select_attend_cuda,
-                                               select_attend_lists_cuda, select_lists_cuda,
-                                               selects_in_attention)
+                                               scores_and_chooses, select_attend_lists_cuda,
+                                               select_lists_cuda, selects_in_attention)
 from pallas_kernels.sparse_attend_cuda import unavailable as cuda_unavailable
 from pallas_kernels.sparse_attend_cuda import unsupported_args as cuda_unsupported_args
 from sparrow_jax.attention.selection import MIN_BUDGET_PAGES, SCORERS, num_pages, order_key
@@ -67,7 +67,7 @@ def _is_pow2(x: int) -> bool:
 
 
 ATTEND_IMPLS = ("auto", "cuda", "pallas")
-SCORE_IMPLS = ("pallas", "xla", "cuda")
+SCORE_IMPLS = ("auto", "pallas", "xla", "cuda")
 SELECT_IMPLS = ("auto", "pallas", "cuda")
 
 
@@ -162,10 +162,10 @@ class GpuDecodeTuning:
       part in one wave (up to 16 rows of 8 KV heads on 132 SMs): True (one line where not),
       False, or None (where it applies; the step 2.8-7.9 us shorter, kernel runs AW-AZ).
     score: the scoring: ``"pallas"`` (:func:`_score_kernel`), ``"xla"`` (:func:`score_keys_xla`,
-      half as fast in a model: kernel run AT, rollout runs U-W) or ``"cuda"`` (scored and
-      chosen by one kernel, with the CUDA attention and centroids:
-      :func:`pallas_kernels.sparse_attend_cuda.score_select_attend_cuda`); the last two sum in
-      another order, so near-tied pages may be chosen differently.
+      half as fast in a model: kernel run AT), ``"cuda"`` (scored and chosen by one kernel
+      with the CUDA attention: :func:`pallas_kernels.sparse_attend_cuda.score_select_attend_cuda`)
+      or ``"auto"``: cuda where ``scores_and_chooses`` (same module), else pallas. xla and
+      cuda sum in another order, so near ties may be chosen differently.
     select: the selection where the attention does not choose the lists: ``"pallas"``
       (:func:`_select_kernel`), ``"cuda"`` (the CUDA attention's choice alone, one block a
       list, then the attention in the same call:
@@ -182,7 +182,7 @@ class GpuDecodeTuning:
     balanced: bool | None = None
     attend: str = "auto"
     attend_programs: int | None = None
-    score: str = "pallas"
+    score: str = "auto"
     select_in_attention: bool | None = None
     select: str = "auto"
 
@@ -606,23 +606,24 @@ def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_p
                    page_size, max_pages, tuning, interpret):
     cuda = tuning.attend == "cuda"
     mpad, kpad = list_sizes(page_table.shape[1], max_pages, tuning)
-    if cuda and tuning.score == "cuda":
+    lists = q.shape[0] * k_pages.shape[0]
+    launch = dict(splits=tuning.splits, programs=tuning.attend_programs, balanced=tuning.balanced)
+    if cuda and scores_and_chooses(tuning.score, summaries, mpad, lists, **launch):
+        launch["balanced"] = bool(tuning.balanced)   # even splits: blocks wait list by list
         return score_select_attend_cuda(
             q, k_pages, v_pages, summaries, page_table, lengths, budget_pages, kpad=kpad,
-            page_size=page_size, max_pages=max_pages, splits=tuning.splits,
-            programs=tuning.attend_programs, balanced=tuning.balanced)
-    inside = cuda and selects_in_attention(
-        q.shape[0] * k_pages.shape[0], mpad, tuning.splits, tuning.attend_programs,
-        balanced=tuning.balanced, asked=tuning.select_in_attention)
+            page_size=page_size, max_pages=max_pages, **launch)
+    inside = cuda and selects_in_attention(lists, mpad, tuning.splits, tuning.attend_programs,
+                                           balanced=tuning.balanced,
+                                           asked=tuning.select_in_attention)
     if inside or (cuda and cuda_selection(tuning, mpad)):
         keys, table, kpad = scored_table(q, summaries, page_table, lengths, page_size=page_size,
                                          max_pages=max_pages, tuning=tuning)
         args = (q, k_pages, v_pages, keys, table, lengths, budget_pages)
-        size = dict(page_size=page_size, max_pages=max_pages, splits=tuning.splits)
+        size = dict(page_size=page_size, max_pages=max_pages)
         if inside:
-            return attend_selected_cuda(*args, **size)
-        return select_attend_lists_cuda(*args, kpad=kpad, programs=tuning.attend_programs,
-                                        balanced=tuning.balanced, **size)
+            return attend_selected_cuda(*args, splits=tuning.splits, **size)
+        return select_attend_lists_cuda(*args, kpad=kpad, **launch, **size)
     # The CUDA call takes its counters even with one split (an aliased buffer it leaves
     # alone): zeros from the selection, which would otherwise be a fill of their own.
     phys, slots, count, *arrivals = select_page_lists(
@@ -631,8 +632,7 @@ def _sparse_decode(q, k_pages, v_pages, summaries, page_table, lengths, budget_p
         arrivals=cuda or tuning.balanced)
     if cuda:
         return attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths,
-                                      splits=tuning.splits, programs=tuning.attend_programs,
-                                      balanced=tuning.balanced, arrivals=arrivals[0])
+                                      arrivals=arrivals[0], **launch)
     return attend_page_lists(q, k_pages, v_pages, phys, slots, count, lengths,
                              page_size=page_size, tuning=tuning, interpret=interpret,
                              arrivals=arrivals[0] if arrivals else None)

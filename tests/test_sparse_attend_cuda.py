@@ -519,7 +519,7 @@ def step_lowered_for_an_h100(tuning: GpuDecodeTuning, lengths=(300, 200)) -> str
                                    platform="gpu")
     q, k, v, cent, table, lengths = make_case(np.random.default_rng(0), lengths=list(lengths),
                                               hkv=2, r=4, d=D, dtype=jnp.bfloat16)
-    budgets = jnp.asarray([8, 6][:len(lengths)], jnp.int32)
+    budgets = jnp.asarray(([8, 6] * len(lengths))[:len(lengths)], jnp.int32)
     step = functools.partial(sparse_decode_pallas, page_size=P, centroids=cent, tuning=tuning)
     mesh = jax.sharding.AbstractMesh((1,), ("x",), abstract_device=h100)
     with jax.sharding.use_abstract_mesh(mesh):
@@ -566,11 +566,11 @@ def test_one_row_takes_even_splits(monkeypatch, lengths, balance):
         assert (cluster, programs) == (1, 132)
 
 
-@pytest.mark.parametrize("balanced, overlap", [(None, 0), (False, 1)])
+@pytest.mark.parametrize("balanced, overlap", [(None, 1), (False, 1), (True, 0)])
 def test_scored_by_cuda_lowers_to_one_call(monkeypatch, balanced, overlap):
     """On any host: with ``score="cuda"`` the step, lowered for an H100, is one custom call
-    and no Pallas kernel; its attention waits for each list alone (overlap) with even splits,
-    and Quest's bounds are refused in one line."""
+    and no Pallas kernel; its attention takes even splits and waits for each list alone
+    (overlap) unless stream-K is asked, and Quest's bounds are refused in one line."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
     tuning = GpuDecodeTuning(attend="cuda", score="cuda", balanced=balanced)
@@ -591,6 +591,24 @@ def test_scored_by_cuda_lowers_to_one_call(monkeypatch, balanced, overlap):
         sparse_decode_pallas(q, k, v, table, lengths, jnp.asarray([8]), page_size=P,
                              centroids=cent, tuning=GpuDecodeTuning(score="cuda"),
                              interpret=True)
+
+
+def test_auto_scores_and_chooses_in_one_kernel_past_a_wave(monkeypatch):
+    """On any host: ``score="auto"`` (the default) lowered for an H100 is the one-kernel
+    scoring, its attention waiting list by list, where the lists outnumber a wave of blocks
+    (70 rows of 2 KV heads on 132 SMs); the Pallas scoring where they fit one wave (chosen
+    inside the attention) and where stream-K is asked."""
+    from pallas_kernels import sparse_decode_gpu
+    monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda"), (300,) * 70)
+    call = re.search(r"stablehlo.custom_call @sparrow_sparse_score_select_attend\(.*"
+                     r"balance = (-?\d+) : i64.*overlap = (\d+) : i64", text)
+    assert call and call.group(1, 2) == ("0", "1")
+    for tuning, lengths in ((GpuDecodeTuning(attend="cuda"), (300, 200)),
+                            (GpuDecodeTuning(attend="cuda", balanced=True), (300,) * 70)):
+        text = step_lowered_for_an_h100(tuning, lengths)
+        assert re.findall(r'name = "([a-z_]+)", num_stages', text) == ["sparse_decode_score"]
+        assert "score_select" not in text
 
 
 @pytest.mark.parametrize("lengths", [(300,), (300, 200)])
