@@ -316,14 +316,14 @@ def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, bud
     """The whole sparse step in one custom call: the pages scored and the lists chosen by one
     kernel, then :func:`attend_page_lists_cuda` over them. q ``[B, Hq, D]``, pages ``[Hkv, N,
     P, D]``, the centroids ``[Hkv, N, D]`` bf16 (or ``(centroids,)``: no other page summary),
-    the page table ``[B, M]``, lengths and
-    budget_pages ``[B]`` -> ``[B, Hq, D]`` bf16 (with ``lists``: also the keys ``[Hkv, B, M]``
-    and the lists of :func:`select_lists_cuda`). A block scores 512 slots of a list (the keys
-    of :func:`pallas_kernels.sparse_decode_gpu.score_keys`, summed in another order) and the
-    last of a list's blocks to finish chooses it, beside later lists' scoring instead of after
-    all of it. ``overlap`` (even splits only; None: wherever the splits are even): the
-    attention's blocks start on each list as soon as it is chosen instead of after every list
-    is. Anything it does not take raises one line."""
+    the page table ``[B, M]``, lengths and budget_pages ``[B]`` -> ``[B, Hq, D]`` bf16 (with
+    ``lists``: also the keys ``[Hkv, B, M]`` and the lists of :func:`select_lists_cuda`).
+    A block scores 512 slots of a list (the keys of
+    :func:`pallas_kernels.sparse_decode_gpu.score_keys`, summed in another order) and the last
+    of a list's blocks to finish chooses it, beside later lists' scoring instead of after all
+    of it. ``overlap`` (even splits only; None: wherever the splits are even): the attention's
+    blocks start on each list as soon as it is chosen instead of after every list is.
+    Anything it does not take raises one line."""
     why = unsupported_args(q, k_pages, page_size)
     centroids = summaries[0] if isinstance(summaries, (tuple, list)) else summaries
     if isinstance(summaries, (tuple, list)) and len(summaries) != 1:
