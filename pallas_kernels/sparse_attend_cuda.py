@@ -51,6 +51,8 @@ PAGE_SIZE, HEAD_DIM, MAX_GROUP = 16, 128, 8
 # the even splits: their weights fill the shared memory of the kernel's page ring).
 WARPS = 8
 MAX_PARTS = 4096
+# The kernel's `balance` for each `balanced`: the device's choice, even splits, stream-K.
+BALANCE = {None: -1, False: 0, True: 1}
 # The most blocks of a cluster that every Hopper launch allows.
 MAX_CLUSTER = 8
 # The widest page table whose keys and pages a block holds to choose its list (in the shared
@@ -142,7 +144,7 @@ def attend_page_lists_cuda(q, k_pages, v_pages, phys, slots, count, lengths, *,
     out, *_ = call(q, k_pages, v_pages, phys.astype(jnp.int32), slots.astype(jnp.int32),
                    count.astype(jnp.int32), lengths.astype(jnp.int32), arrivals,
                    splits=np.int64(splits), programs=np.int64(programs),
-                   balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
+                   balance=np.int64(BALANCE[balanced]),
                    cluster=np.int64(splits if cluster else 1))
     return out
 
@@ -287,7 +289,7 @@ def select_attend_lists_cuda(q, k_pages, v_pages, keys, table, lengths, budget_p
          *_part_buffers(b * hkv, hq // hkv, d, splits, programs)))(
         q, k_pages, v_pages, keys.astype(jnp.int32), table.astype(jnp.int32),
         lengths.astype(jnp.int32), budget_pages.astype(jnp.int32), splits=np.int64(splits),
-        programs=np.int64(programs), balance=np.int64({None: -1, False: 0, True: 1}[balanced]),
+        programs=np.int64(programs), balance=np.int64(BALANCE[balanced]),
         **{k: np.int64(v) for k, v in size.items()})
     return out
 
@@ -325,8 +327,9 @@ def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, bud
     blocks start on each list as soon as it is chosen instead of after every list is.
     Anything it does not take raises one line."""
     why = unsupported_args(q, k_pages, page_size)
-    centroids = summaries[0] if isinstance(summaries, (tuple, list)) else summaries
-    if isinstance(summaries, (tuple, list)) and len(summaries) != 1:
+    summaries = summaries if isinstance(summaries, (tuple, list)) else (summaries,)
+    centroids = summaries[0]
+    if len(summaries) != 1:
         why = "scores centroids, not Quest's (kmin, kmax)"
     elif why is None and centroids.dtype != jnp.bfloat16:
         why = f"needs bf16 centroids, have {centroids.dtype}"
@@ -351,6 +354,6 @@ def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, bud
          *_part_buffers(b * hkv, hq // hkv, d, splits, programs)))(
         q, k_pages, v_pages, centroids, table.astype(jnp.int32), lengths.astype(jnp.int32),
         budget_pages.astype(jnp.int32), splits=np.int64(splits), programs=np.int64(programs),
-        balance=np.int64({None: -1, False: 0, True: 1}[balanced]), page_size=np.int64(page_size),
+        balance=np.int64(BALANCE[balanced]), page_size=np.int64(page_size),
         max_pages=np.int64(max_pages), overlap=np.int64(overlap))
     return (out, keys, phys, slots, count) if lists else out

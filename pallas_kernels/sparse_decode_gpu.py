@@ -5,9 +5,9 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
 1. ``_score_kernel``, grid ``(B, Hkv, M / C)``: float32 scores of the pages that may be chosen
    (``1 .. n-3``): ``qbar . centroid``, or Quest's bound (the largest over the group's heads of
    ``sum_d max(q_d kmax_d, q_d kmin_d)``), turned into int32 keys whose signed order is the
-   order of the scores (ineligible slots get the smallest key). Reads one key-sized vector per
-   page of the row (two for Quest), nothing past it (masked loads). The same keys from XLA
-   (:func:`score_keys_xla`) are an option (``GpuDecodeTuning.score``).
+   order of the scores (ineligible slots get the smallest key), reading one vector a page of
+   the row (two for Quest), nothing past it. ``GpuDecodeTuning.score``: the same keys from
+   XLA, or (past a wave of lists, the default) one CUDA kernel that also chooses.
 2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key by a bitwise threshold
    search (a block-wide count per bit from the sign bit down, stopping once exactly ``K - 3``
    keys reach it; no sort), ties to the lower page by a bitwise search over slots, plus the
