@@ -36,12 +36,23 @@ def _cache_dir() -> Path:
     return Path(os.environ.get("SPARROW_CACHE", Path.home() / ".cache" / "sparrow_jax"))
 
 
+def defines() -> list[str]:
+    """``-D`` flags for the macros named in ``$SPARROW_CUDA_DEFINES`` (space-separated, e.g.
+    ``SPARROW_TRACE``: :mod:`pallas_kernels.cuda_trace`); a name that is not one raises one
+    line."""
+    names = os.environ.get("SPARROW_CUDA_DEFINES", "").split()
+    for name in names:
+        if not name.isidentifier():
+            raise RuntimeError(f"SPARROW_CUDA_DEFINES: {name!r} is not a macro name")
+    return [f"-D{name}" for name in names]
+
+
 def build_library(source: Path, nvcc: str) -> Path:
     """``source``'s shared library, built on first use (about 10 s) for sm_90, then cached
     under ``$SPARROW_CACHE`` (default ``~/.cache/sparrow_jax``) by a key of the source, the
-    compiler and its flags; nvcc's output (ptxas' registers and spills among it) beside it
-    as ``.log``."""
-    flags = [*FLAGS, f"-I{jax.ffi.include_dir()}"]
+    compiler and its flags (:func:`defines` among them); nvcc's output (ptxas' registers and
+    spills among it) beside it as ``.log``."""
+    flags = [*FLAGS, *defines(), f"-I{jax.ffi.include_dir()}"]
     version = subprocess.run([nvcc, "--version"], capture_output=True, text=True).stdout
     key = hashlib.sha256(source.read_bytes() + version.encode()
                          + " ".join(flags).encode()).hexdigest()[:16]

@@ -57,6 +57,40 @@ constexpr int LIST_UNITS = 8;
 constexpr int MAX_CLUSTER = 8, CLUSTER_PART = 64 * 1024;
 static_assert(CLUSTER_PART + (D + 1) * MAX_GROUP * 4 <= RING_BYTES);
 
+// The kernels' timeline, built only with -DSPARROW_TRACE (SPARROW_CUDA_DEFINES, read by
+// pallas_kernels/cuda_trace.py): thread 0 of a block records each mark below (the global
+// clock, the SM's cycle counter, its SM, block, event and list) into a device buffer that
+// SparrowTraceRead copies out. Without the macro a mark is empty, so the kernels measured are
+// the kernels traced, less the marks' stores.
+enum TraceEvent {
+  SCORE_START, SCORE_DONE, LIST_CHOSEN, SELECT_START, SELECT_DONE,
+  ATTEND_START, ATTEND_GO, PART_READY, PART_STREAMED, PART_DONE, ATTEND_END
+};
+#ifdef SPARROW_TRACE
+struct TraceRecord {
+  unsigned long long ns, cycles;
+  int sm, block, event, list;
+};
+constexpr unsigned TRACE_CAPACITY = 1u << 20;
+__device__ TraceRecord g_trace[TRACE_CAPACITY];
+__device__ unsigned long long g_trace_count;
+// Not inlined: inlined, its registers made the scoring kernel spill under its 64.
+__device__ __noinline__ void trace(TraceEvent event, int list) {
+  if (threadIdx.x != 0) return;
+  unsigned long long ns;
+  unsigned sm;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+  const unsigned long long at = atomicAdd(&g_trace_count, 1ull);
+  if (at < TRACE_CAPACITY) {
+    g_trace[at] = {ns, static_cast<unsigned long long>(clock64()), static_cast<int>(sm),
+                   static_cast<int>(blockIdx.x), event, list};
+  }
+}
+#else
+__device__ __forceinline__ void trace(TraceEvent, int) {}
+#endif
+
 __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src) {
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16;\n" ::"r"(dst), "l"(src));
 }
@@ -682,6 +716,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   // started while the lists were being chosen. With `ready` (the fifth handler, even splits)
   // it waits for each list's flag before it reads the list (wait_list); without, for the
   // whole grid before it (a no-op when not launched so).
+  trace(ATTEND_START, -1);
   if (ready == nullptr) asm volatile("griddepcontrol.wait;" ::: "memory");
   // Even parts fewer than the blocks go to every stride-th block, so that the working blocks
   // spread over the GPU instead of filling the first SMs (kernel run AR, batch 8: 64 parts on
@@ -701,6 +736,7 @@ __global__ void __launch_bounds__(WARPS * 32)
   if (ready != nullptr && first_part < even_blocks) {
     wait_list(ready, first_part / splits, -1, &s_peek);
   }
+  trace(ATTEND_GO, first_part < even_blocks ? first_part / splits : -1);
   const int guess_count = guessed ? __ldcg(&counts[first_part / splits]) : 0;
   int guess_phys[STAGED_EACH], guess_slot[STAGED_EACH];
   if (guessed)
@@ -791,8 +827,11 @@ __global__ void __launch_bounds__(WARPS * 32)
       if constexpr (kSelect) {
         const int2 part = select_part(choice, i, hkv, lengths[i / hkv], split, splits, smem,
                                       s_phys, s_slot);
+        trace(PART_READY, i);
         attend(i, part.x, part.y, a, true, false);
+        trace(PART_STREAMED, i);
         finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
+        trace(PART_DONE, i);
         continue;
       }
       const bool first = v == first_part;
@@ -806,6 +845,7 @@ __global__ void __launch_bounds__(WARPS * 32)
       const int each = (count + splits - 1) / splits;
       const int from = min(split * each, count), to = min(from + each, count);
       const bool ahead = splits == 1 && next < even_blocks && next_ready;
+      trace(PART_READY, i);
       int next_count = 0, next_phys = 0, ahead_phys[STAGED_EACH], ahead_slot[STAGED_EACH];
       if (ahead) {
         const int64_t row = static_cast<int64_t>(next) * list_len;
@@ -817,6 +857,7 @@ __global__ void __launch_bounds__(WARPS * 32)
              staged_ahead ||
                  (guessed && first && from == guess_from && to - from == guess_n),
              in_flight);
+      trace(PART_STREAMED, i);
       in_flight = false;
       count_ahead = -1;
       staged_ahead = false;
@@ -830,12 +871,14 @@ __global__ void __launch_bounds__(WARPS * 32)
         }
       }
       finish(i, a, v, static_cast<int64_t>(i) * splits, splits);
+      trace(PART_DONE, i);
       if (ahead && count_ahead <= min(cap, STAGED_EACH * WARPS * 32)) {
         store_entries(count_ahead, ahead_phys, ahead_slot, s_phys, s_slot);
         __syncthreads();
         staged_ahead = true;
       }
     }
+    trace(ATTEND_END, -1);
     return;
   }
   const int lo = blockIdx.x * chunk, hi = min(lo + chunk, total);
@@ -847,12 +890,16 @@ __global__ void __launch_bounds__(WARPS * 32)
   for (; i < n_lists && lo < hi; ++i) {
     const int end = s_ends[i], first = (i > 0 ? s_ends[i - 1] : 0) + LIST_UNITS;  // its pages
     if (first >= hi) break;
+    trace(PART_READY, i);
     attend(i, max(lo, first) - first, min(min(hi, end) - first, min(counts[i], list_len)), a,
            false, false);
+    trace(PART_STREAMED, i);
     const int p_first = first / chunk, p_last = (end - 1) / chunk;
     finish(i, a, static_cast<int64_t>(blockIdx.x) + i, static_cast<int64_t>(p_first) + i,
            p_last - p_first + 1);
+    trace(PART_DONE, i);
   }
+  trace(ATTEND_END, -1);
 }
 
 // List i chosen by the block (select_part) and written out as the Pallas selection writes it
@@ -886,7 +933,9 @@ __global__ void __launch_bounds__(THREADS, 2)
   // may start its blocks now; they wait for this grid's writes before reading them.
   asm volatile("griddepcontrol.launch_dependents;");
   const int i = blockIdx.x;
+  trace(SELECT_START, i);
   write_list(c, i, hkv, lengths[i / hkv], kpad, scratch, phys, slots, counts, arrivals);
+  trace(SELECT_DONE, i);
 }
 
 // select_kernel's shared memory: the row's keys and pages, the histograms and sums.
@@ -995,11 +1044,13 @@ __global__ void __launch_bounds__(THREADS, 4)
   const int length = lengths[b];
   const int n = min((length + c.page_size - 1) / c.page_size, c.width);
   const int lo = part * SCORE_SLOTS, hi = min(lo + SCORE_SLOTS, c.width);
+  trace(SCORE_START, i);
   score_slots(sc, c, b, h, hkv, n, lo, hi,
               keys + (static_cast<int64_t>(h) * c.batch + b) * c.width);
   // The arrival as in cooperative groups' grid barrier: the block's keys, then one fence and
   // the ticket by one thread; the last block fences again before it reads the others' keys.
   __syncthreads();
+  trace(SCORE_DONE, i);
   if (threadIdx.x == 0) {
     __threadfence();
     s_last = atomicAdd(&tickets[i], 1) == sc.parts - 1;
@@ -1012,6 +1063,7 @@ __global__ void __launch_bounds__(THREADS, 4)
     __threadfence();
     asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(ready + i), "r"(1) : "memory");
   }
+  trace(LIST_CHOSEN, i);
 }
 
 ffi::Error Check(cudaError_t e, const char* what) {
@@ -1441,3 +1493,24 @@ XLA_FFI_DEFINE_HANDLER_SYMBOL(SparrowSparseSelectLists, SelectLists,
                                   .Attr<int64_t>("page_size")
                                   .Attr<int64_t>("max_pages"),
                               {ffi::Traits::kCmdBufferCompatible});
+
+#ifdef SPARROW_TRACE
+// The marks recorded since the last call (at most `capacity` of them, TraceRecord's 32 bytes
+// each) copied to `host`, and the buffer emptied: -> how many were recorded, which is more
+// than were kept when the buffer or `capacity` ran out; -1 on a CUDA error.
+extern "C" long long SparrowTraceRead(void* host, long long capacity) {
+  unsigned long long count = 0, zero = 0;
+  if (cudaDeviceSynchronize() != cudaSuccess ||
+      cudaMemcpyFromSymbol(&count, g_trace_count, sizeof count) != cudaSuccess) {
+    return -1;
+  }
+  const unsigned long long kept =
+      std::min<unsigned long long>({count, TRACE_CAPACITY, static_cast<unsigned long long>(
+                                                               std::max(capacity, 0ll))});
+  if ((kept && cudaMemcpyFromSymbol(host, g_trace, kept * sizeof(TraceRecord)) != cudaSuccess) ||
+      cudaMemcpyToSymbol(g_trace_count, &zero, sizeof zero) != cudaSuccess) {
+    return -1;
+  }
+  return static_cast<long long>(count);
+}
+#endif

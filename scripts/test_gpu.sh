@@ -17,7 +17,7 @@ source scripts/gpu_env.sh   # wheels from .whl/, PYTHONPATH, the pins and the GP
 kernels="tests/test_sparse_kernel.py tests/test_sparse_kernel_triton.py tests/test_sparse_decode.py
   tests/test_selection.py tests/test_teacher_forced_kernel.py tests/test_sparse_attend_mgpu.py
   tests/test_sparse_attend_balanced.py tests/test_sparse_attend_cuda.py
-  tests/test_cuda_build.py
+  tests/test_cuda_build.py tests/test_cuda_trace.py
   tests/test_paged_cache.py tests/test_qk_prep.py tests/test_decode_mlp.py tests/test_decode_gemm.py"
 models="tests/test_engine.py tests/test_engine_buckets.py tests/test_engine_topk.py
   tests/test_decode.py tests/test_model.py tests/test_lm_head.py
