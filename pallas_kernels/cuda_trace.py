@@ -76,7 +76,8 @@ def summarize(rec: np.ndarray, bin_us: float = 1.0) -> dict:
     if len(rec) == 0:
         return {}
     t0 = int(rec["ns"].min())
-    us = lambda ns: (np.asarray(ns, np.float64) - t0) / 1e3
+    # In integers first: the clock counts from the epoch, past float64's exact range.
+    us = lambda ns: (np.asarray(ns, np.uint64).astype(np.int64) - t0) / 1e3
     out = dict(span=float(us(rec["ns"].max())), marks=int(len(rec)))
     ev = rec["event"]
     chosen = us(np.sort(rec["ns"][ev == _E["list_chosen"]]))

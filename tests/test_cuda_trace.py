@@ -14,7 +14,7 @@ from conftest import load_script
 from pallas_kernels import cuda_build, cuda_trace, sparse_attend_cuda
 
 E = {name: i for i, name in enumerate(cuda_trace.EVENTS)}
-BASE = 10 ** 12      # the global clock's origin is arbitrary
+BASE = 1_764_000_000 * 10 ** 9     # the global clock counts ns from the epoch
 
 
 def marks(rows):
