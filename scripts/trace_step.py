@@ -81,11 +81,17 @@ def main(argv=None):
                     help="budgets in tokens, the 3 reserved pages included")
     ap.add_argument("--configs", default="b4",
                     help="GpuDecodeTuning variants as bench_decode's --kernel-configs")
+    ap.add_argument("--extra-slots", type=int, default=0,
+                    help="page table slots past the rows' pages (the engine's tables: 2052 "
+                         "slots at 32K, 4 past the rows')")
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--repeats", type=int, default=5)
     ap.add_argument("--bin-us", type=float, default=1.0)
     ap.add_argument("--out", default=None, help="JSON file")
     args = ap.parse_args(argv)
+    if args.extra_slots < 0 or args.repeats < 1 or args.warmup < 0:
+        raise SystemExit(f"trace_step: --extra-slots and --warmup must be >= 0 and --repeats "
+                         f">= 1, got {args.extra_slots}, {args.warmup} and {args.repeats}")
     defines = os.environ.get("SPARROW_CUDA_DEFINES", "").split()
     if "SPARROW_TRACE" not in defines:    # before the first CUDA call builds the library
         os.environ["SPARROW_CUDA_DEFINES"] = " ".join([*defines, "SPARROW_TRACE"])
@@ -98,6 +104,7 @@ def main(argv=None):
         for b in args.batches:
             case = decode_inputs(b, ctx, page_order(b * ctx // P, ctx, b))
             q, k_pages, v_pages, centroids, table, lengths = case
+            table = jnp.pad(table, ((0, 0), (0, args.extra_slots)))
             for budget in args.budgets:
                 pages = budget // P
                 budgets = jnp.full((b,), pages, jnp.int32)
@@ -122,9 +129,11 @@ def main(argv=None):
                         calls.append(cuda_trace.summarize(cuda_trace.read(), args.bin_us))
                     for c in calls[1:]:
                         c.pop("busy", None)    # the first call's bins are enough
-                    print(f"b{b} ctx{ctx} budget{budget} {name} (rel err {err:.1e}): "
+                    print(f"b{b} ctx{ctx}+{args.extra_slots} budget{budget} {name} "
+                          f"(rel err {err:.1e}): "
                           f"{line(calls)}", flush=True)
-                    rows.append(dict(batch=b, context=ctx, budget=budget, config=name,
+                    rows.append(dict(batch=b, context=ctx, extra_slots=args.extra_slots,
+                                     budget=budget, config=name,
                                      rel_err=err, calls=calls))
             del case, q, k_pages, v_pages, centroids, table, lengths
     if args.out:
