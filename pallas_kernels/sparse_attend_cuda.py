@@ -58,6 +58,11 @@ MAX_CLUSTER = 8
 # The widest page table whose keys and pages a block holds to choose its list (in the shared
 # memory of its page ring, before the pages stream).
 MAX_CHOICE_WIDTH = 8192
+# The least share of its last round of blocks that even list parts must fill for the one
+# scoring-and-choosing kernel to be the default (scores_and_chooses): 97% gained, 58% lost
+# (BENCHMARKS.md, kernel runs BF and BG); between them, about where a round's idle tenth
+# costs what the one kernel saves.
+FUSED_FILL = 0.9
 
 
 @functools.cache
@@ -299,15 +304,20 @@ def scores_and_chooses(score: str, summaries, width: int, lists: int, *, splits:
     """Whether the step with the CUDA attention (``splits`` even parts of ``lists`` lists on
     ``programs`` blocks) takes :func:`score_select_attend_cuda` for
     ``GpuDecodeTuning.score``: "cuda", always; "auto", where the lists' parts outnumber a wave
-    of blocks (fewer are chosen inside the attention), stream-K is not asked, the page
-    summaries are centroids in bf16 and the table at most 8192 slots. H100, 32K, budget 2048:
-    the step 5-8 us shorter at 32 and 64 rows and even at 19; at 8 rows 5 us longer than the
-    lists chosen inside the attention (kernel run BF)."""
+    of blocks (fewer are chosen inside the attention) and fill their last round of blocks to
+    :data:`FUSED_FILL` (that kernel's attention takes even parts; a round's idle blocks are
+    its tail), stream-K is not asked, the page summaries are centroids in bf16 and the table
+    at most 8192 slots. H100, 32K: the step 5-8 us shorter at 32 and 64 rows (256 and 512
+    lists on 132 blocks, rounds 97% full; budget 2048, kernel run BF); at 19 rows (152
+    lists, 58%) 2-12 us longer than the Pallas scoring and stream-K (kernel run BG)."""
     if score != "auto":
         return score == "cuda"
     summaries = summaries if isinstance(summaries, (tuple, list)) else (summaries,)
-    return (lists * splits > programs and balanced is not True and len(summaries) == 1
-            and summaries[0].dtype == jnp.bfloat16 and width <= MAX_CHOICE_WIDTH)
+    parts = lists * splits
+    fill = parts / (-(-parts // programs) * programs)
+    return (parts > programs and fill >= FUSED_FILL and balanced is not True
+            and len(summaries) == 1 and summaries[0].dtype == jnp.bfloat16
+            and width <= MAX_CHOICE_WIDTH)
 
 
 def score_select_attend_cuda(q, k_pages, v_pages, summaries, table, lengths, budget_pages, *,

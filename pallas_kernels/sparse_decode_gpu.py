@@ -7,7 +7,7 @@ One decode step of docs/design.md, section 3 for one layer, in three kernels and
    ``sum_d max(q_d kmax_d, q_d kmin_d)``), turned into int32 keys whose signed order is the
    order of the scores (ineligible slots get the smallest key), reading one vector a page of
    the row (two for Quest), nothing past it. ``GpuDecodeTuning.score``: the same keys from
-   XLA, or (past a wave of lists, the default) one CUDA kernel that also chooses.
+   XLA, or (past a wave of lists that fill their last round, the default) one CUDA kernel.
 2. ``_select_kernel``, grid ``(B, Hkv)``: the ``K - 3``-th largest key by a bitwise threshold
    search (a block-wide count per bit from the sign bit down, stopping once exactly ``K - 3``
    keys reach it; no sort), ties to the lower page by a bitwise search over slots, plus the

@@ -596,16 +596,18 @@ def test_scored_by_cuda_lowers_to_one_call(monkeypatch, balanced, overlap):
 def test_auto_scores_and_chooses_in_one_kernel_past_a_wave(monkeypatch):
     """On any host: ``score="auto"`` (the default) lowered for an H100 is the one-kernel
     scoring, its attention waiting list by list, where the lists outnumber a wave of blocks
-    (70 rows of 2 KV heads on 132 SMs); the Pallas scoring where they fit one wave (chosen
-    inside the attention) and where stream-K is asked."""
+    and fill their last round (128 rows of 2 KV heads on 132 SMs: 256 lists, 97%); the Pallas
+    scoring where they fit one wave (chosen inside the attention), where the last round is
+    mostly idle (70 rows: 140 lists, 53%) and where stream-K is asked."""
     from pallas_kernels import sparse_decode_gpu
     monkeypatch.setattr(sparse_decode_gpu, "cuda_unavailable", lambda: None)
-    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda"), (300,) * 70)
+    text = step_lowered_for_an_h100(GpuDecodeTuning(attend="cuda"), (300,) * 128)
     call = re.search(r"stablehlo.custom_call @sparrow_sparse_score_select_attend\(.*"
                      r"balance = (-?\d+) : i64.*overlap = (\d+) : i64", text)
     assert call and call.group(1, 2) == ("0", "1")
     for tuning, lengths in ((GpuDecodeTuning(attend="cuda"), (300, 200)),
-                            (GpuDecodeTuning(attend="cuda", balanced=True), (300,) * 70)):
+                            (GpuDecodeTuning(attend="cuda"), (300,) * 70),
+                            (GpuDecodeTuning(attend="cuda", balanced=True), (300,) * 128)):
         text = step_lowered_for_an_h100(tuning, lengths)
         assert re.findall(r'name = "([a-z_]+)", num_stages', text) == ["sparse_decode_score"]
         assert "score_select" not in text
@@ -697,3 +699,17 @@ def test_clusters_only_where_they_apply():
                 dict(balanced=False, splits=4, programs=15), dict(splits=1, balanced=False)):
         with pytest.raises(ValueError, match="^attend_page_lists_cuda: cluster=True needs"):
             attend_page_lists_cuda(*args, cluster=True, **how)
+
+
+def test_one_kernel_by_default_only_where_even_parts_fill_their_last_round():
+    """On any host: ``score="auto"``'s rule by the numbers measured on 132 SMs (8 KV heads):
+    19 rows' 152 lists fill 58% of their second round (the one kernel slower, kernel run BG),
+    32 and 64 rows' 97% (faster, run BF); 30 rows fill 91%, 29 rows 88%; one wave or fewer
+    lists, stream-K asked, Quest's two summaries or float32 centroids: never."""
+    from pallas_kernels.sparse_attend_cuda import scores_and_chooses
+    bf16, f32 = jnp.zeros((1, 1, 1), jnp.bfloat16), jnp.zeros((1, 1, 1), jnp.float32)
+    rule = lambda rows, summaries=bf16, balanced=None, score="auto": scores_and_chooses(
+        score, summaries, 2048, rows * 8, splits=1, programs=132, balanced=balanced)
+    assert [r for r in (8, 16, 17, 19, 29, 30, 32, 33, 34, 64) if rule(r)] == [30, 32, 33, 64]
+    assert not rule(32, balanced=True) and not rule(32, (bf16, bf16)) and not rule(32, f32)
+    assert rule(19, score="cuda") and not rule(64, score="pallas")
