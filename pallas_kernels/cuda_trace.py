@@ -13,6 +13,7 @@ empty: the default build is the kernels measured. ``scripts/trace_step.py`` driv
 from __future__ import annotations
 
 import ctypes
+import functools
 
 import numpy as np
 
@@ -25,10 +26,10 @@ CAPACITY = 1 << 20    # the kernel's TRACE_CAPACITY
 _E = {name: i for i, name in enumerate(EVENTS)}
 
 
-def read(capacity: int = CAPACITY) -> np.ndarray:
-    """The marks recorded since the last read (the device synchronised first), as records of
-    :data:`RECORD`, and the device's buffer emptied. Raises one line where the library was
-    built without the macro or the buffer overflowed."""
+@functools.cache
+def _reader():
+    """The library's ``SparrowTraceRead``, typed: the library the kernels' first call built
+    and registered (its key, the build's flags among it, is fixed from then on)."""
     from pallas_kernels.cuda_build import build_library, find_nvcc
     from pallas_kernels.sparse_attend_cuda import SOURCE
     nvcc = find_nvcc()
@@ -40,6 +41,14 @@ def read(capacity: int = CAPACITY) -> np.ndarray:
         raise RuntimeError("cuda_trace.read: the CUDA kernels were built without the trace; "
                            "set SPARROW_CUDA_DEFINES=SPARROW_TRACE before the first CUDA call")
     fn.restype, fn.argtypes = ctypes.c_longlong, [ctypes.c_void_p, ctypes.c_longlong]
+    return fn
+
+
+def read(capacity: int = CAPACITY) -> np.ndarray:
+    """The marks recorded since the last read (the device synchronised first), as records of
+    :data:`RECORD`, and the device's buffer emptied. Raises one line where the library was
+    built without the macro or the buffer overflowed."""
+    fn = _reader()
     out = np.zeros(capacity, RECORD)
     n = fn(out.ctypes.data, capacity)
     if n < 0:
